@@ -1,0 +1,22 @@
+"""kiln's op set ("kiln IR"): torch.library custom ops that graph passes see whole.
+
+Each op has a schema, a fake impl for tracing, and a native torch impl (the reference and the CPU
+path). Importing this package registers them under `torch.ops.kiln`.
+"""
+
+from kiln.kernels.activation import silu_and_mul
+from kiln.kernels.attention import AttentionMetadata, attention
+from kiln.kernels.kv_cache import kv_cache_write
+from kiln.kernels.norm import fused_add_rms_norm, rms_norm
+from kiln.kernels.rotary import rope_cos_sin_cache, rotary_embedding
+
+__all__ = [
+    "AttentionMetadata",
+    "attention",
+    "fused_add_rms_norm",
+    "kv_cache_write",
+    "rms_norm",
+    "rope_cos_sin_cache",
+    "rotary_embedding",
+    "silu_and_mul",
+]

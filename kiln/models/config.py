@@ -1,0 +1,111 @@
+"""ModelConfig: the one normalized view of a Hugging Face config.json that kiln's models read."""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiln.errors import KilnError
+
+
+@dataclass
+class ArchSpec:
+    """What distinguishes one supported `architectures` entry from plain Llama."""
+
+    qkv_bias: bool | None = None  # None: read `attention_bias` from config.json
+    qk_norm: bool = False
+    uses_sliding_window_flag: bool = False  # Qwen: `sliding_window` counts only if `use_sliding_window`
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "LlamaForCausalLM": ArchSpec(),
+    "MistralForCausalLM": ArchSpec(qkv_bias=False),
+    "Qwen2ForCausalLM": ArchSpec(qkv_bias=True, uses_sliding_window_flag=True),
+    "Qwen3ForCausalLM": ArchSpec(qk_norm=True, uses_sliding_window_flag=True),
+}
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        """Read a config.json dict written by transformers 4.x (`rope_theta`, `rope_scaling`) or 5.x
+        (`rope_parameters`)."""
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            raise KilnError(
+                f"unsupported architecture {', '.join(archs) or '(none given)'} in config.json; "
+                f"kiln supports {', '.join(ARCHITECTURES)}"
+            )
+        spec = ARCHITECTURES[arch]
+        if hf.get("hidden_act", "silu") != "silu":
+            raise KilnError(f"hidden_act {hf['hidden_act']!r} is not supported: kiln's MLP is SiLU-gated")
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        window = hf.get("sliding_window")
+        if spec.uses_sliding_window_flag and not hf.get("use_sliding_window", False):
+            window = None
+        layer_types = set(hf.get("layer_types") or [])
+        if window is not None and layer_types - {"sliding_attention"}:
+            raise KilnError(
+                "per-layer sliding windows (mixed `layer_types`) are not supported; "
+                "set use_sliding_window=false or use a uniform window"
+            )
+        heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            rope_scaling=rope if rope_type != "default" else None,
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            qkv_bias=spec.qkv_bias if spec.qkv_bias is not None else hf.get("attention_bias", False),
+            o_bias=arch != "Qwen2ForCausalLM" and arch != "MistralForCausalLM" and hf.get("attention_bias", False),
+            mlp_bias=hf.get("mlp_bias", False),
+            qk_norm=spec.qk_norm,
+            sliding_window=window,
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+        )
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise KilnError(f"{model_dir} has no config.json: pass a Hugging Face model directory")
+        try:
+            hf = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise KilnError(f"{path} is not valid JSON ({e})") from None
+        try:
+            return cls.from_hf(hf)
+        except KeyError as e:
+            raise KilnError(f"{path} lacks required field {e.args[0]!r}") from None

@@ -1,0 +1,147 @@
+"""The engine owns requests: it adds them, runs one scheduled step at a time, samples, applies stop
+conditions and hands back finished outputs."""
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kiln.config import EngineConfig
+from kiln.errors import KilnError
+from kiln.models.llama import CausalLM
+from kiln.runtime.kv_cache import allocate_kv_caches, num_kv_blocks
+from kiln.runtime.runner import ForwardFn, ModelRunner
+from kiln.runtime.sampler import SamplingParams, sample
+from kiln.runtime.scheduler import Scheduler, Sequence
+from kiln.runtime.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None
+    """Logprob of each generated token, when SamplingParams.logprobs is set."""
+    top_logprobs: list[dict[int, float]] | None
+    """The top-k alternatives at each step, when SamplingParams.logprobs > 0."""
+    finish_reason: str
+    """"stop" (EOS, stop token or stop string) or "length" (max_tokens or max_model_len)."""
+
+
+class Engine:
+    def __init__(
+        self,
+        model: CausalLM,
+        config: EngineConfig,
+        tokenizer: Tokenizer | None = None,
+        seed: int = 0,
+        forward: ForwardFn | None = None,
+    ):
+        cfg = model.config
+        self.model_config, self.config, self.tokenizer = cfg, config, tokenizer
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise KilnError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{cfg.max_position_embeddings}"
+            )
+        dtype, device = model.dtype, model.cos_sin_cache.device
+        num_blocks = num_kv_blocks(
+            cfg, config.block_size, dtype, config.kv_cache_memory_bytes, config.max_num_seqs * self.max_model_len
+        )
+        if num_blocks * config.block_size < self.max_model_len:
+            raise KilnError(
+                f"the KV cache holds {num_blocks * config.block_size} tokens, less than max_model_len "
+                f"{self.max_model_len}: raise kv_cache_memory_bytes or lower max_model_len"
+            )
+        kv_caches = allocate_kv_caches(cfg, num_blocks, config.block_size, dtype, device)
+        self.runner = ModelRunner(forward or model, model.compute_logits, kv_caches, config.block_size, device)
+        self.scheduler = Scheduler(config, num_blocks)
+        self.default_generator = torch.Generator().manual_seed(seed)
+        self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else cfg.eos_token_ids)
+        self._prompts: dict[str, str | None] = {}
+        self._ids = itertools.count()
+        logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
+
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ) -> str:
+        """Queue a request; returns its id. Bad input raises KilnError before anything is queued."""
+        if not prompt_token_ids:
+            raise KilnError("the prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise KilnError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise KilnError(
+                f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len}, "
+                "which leaves no room to generate"
+            )
+        if params.stop and self.tokenizer is None:
+            raise KilnError("stop strings need a tokenizer, and this model directory has none")
+        request_id = str(next(self._ids))
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.scheduler.add(Sequence(request_id, list(prompt_token_ids), params, gen))
+        self._prompts[request_id] = prompt
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)) if n == s.num_pending]
+        logits = self.runner.execute(batch, rows)
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed += n
+        sampling = [batch.seqs[i] for i in rows]
+        result = sample(logits, [s.params for s in sampling], [s.generator for s in sampling], self.default_generator)
+        finished = []
+        for seq, token, logprob, top in zip(sampling, result.token_ids, result.logprobs, result.top_logprobs):
+            seq.token_ids.append(token)
+            seq.logprobs.append(logprob)
+            seq.top_logprobs.append(top)
+            reason, text = self._check_stop(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                finished.append(self._output(seq, text))
+        return finished
+
+    def _check_stop(self, seq: Sequence, token: int) -> tuple[str | None, str | None]:
+        p = seq.params
+        text = None
+        if p.stop:
+            text = self.tokenizer.decode(seq.output_token_ids)
+            cuts = [i for i in (text.find(s) for s in p.stop) if i >= 0]
+            if cuts:
+                return "stop", text[: min(cuts)]
+        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
+            return "stop", text
+        if len(seq.output_token_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return "length", text
+        return None, None
+
+    def _output(self, seq: Sequence, text: str | None) -> RequestOutput:
+        if text is None:
+            text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else ""
+        want = seq.params.logprobs is not None
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=self._prompts.pop(seq.request_id),
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            text=text,
+            logprobs=seq.logprobs if want else None,
+            top_logprobs=seq.top_logprobs if want and seq.params.logprobs else None,
+            finish_reason=seq.finish_reason,
+        )

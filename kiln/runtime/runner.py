@@ -1,0 +1,64 @@
+"""Turns a scheduled batch into graph inputs, calls the forward, and returns logits for the
+sequences that sample this step."""
+
+from collections.abc import Callable
+
+import torch
+
+from kiln.kernels import AttentionMetadata
+from kiln.runtime.scheduler import ScheduledBatch
+
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor], AttentionMetadata], torch.Tensor]
+
+
+class ModelRunner:
+    """Owns the KV cache tensors. `forward` is the eager model or, later, a loaded compiled program."""
+
+    def __init__(
+        self,
+        forward: ForwardFn,
+        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        device: torch.device,
+    ):
+        self.forward, self.compute_logits = forward, compute_logits
+        self.kv_caches, self.block_size, self.device = kv_caches, block_size, device
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        bs = self.block_size
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            first = seq.num_computed
+            ids += seq.token_ids[first : first + n]
+            pos = range(first, first + n)
+            positions += pos
+            slots += [seq.block_ids[p // bs] * bs + p % bs for p in pos]
+            starts.append(starts[-1] + n)
+            seq_lens.append(first + n)
+        width = max(len(s.block_ids) for s in batch.seqs)
+        tables = [s.block_ids + [0] * (width - len(s.block_ids)) for s in batch.seqs]
+
+        def t(x, dtype):
+            return torch.tensor(x, dtype=dtype, device=self.device)
+
+        meta = AttentionMetadata(
+            slot_mapping=t(slots, torch.int64),
+            query_start_loc=t(starts, torch.int32),
+            seq_lens=t(seq_lens, torch.int32),
+            block_tables=t(tables, torch.int32),
+        )
+        return t(ids, torch.int64), t(positions, torch.int64), meta
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
+        """Run the batch; return fp32 logits [len(sample_rows), vocab] at the last token of each
+        listed sequence (by index into `batch.seqs`)."""
+        input_ids, positions, meta = self.prepare(batch)
+        hidden = self.forward(input_ids, positions, self.kv_caches, meta)
+        last = meta.query_start_loc[1:].long() - 1
+        return self.compute_logits(hidden[last[sample_rows]])

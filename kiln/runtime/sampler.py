@@ -1,0 +1,93 @@
+"""Sampling: greedy, temperature, top-k, top-p, per-request seeds, and logprobs."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.errors import KilnError
+
+
+@dataclass
+class SamplingParams:
+    """How one request picks its tokens and when it stops."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 (or 0) keeps all."""
+    top_p: float = 1.0
+    seed: int | None = None
+    """Per-request seed: the same seed gives the same tokens whatever else is in the batch."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: generation ends when one appears; the text is cut before it."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """None: no logprobs. 0: the chosen token's. k: also the k most likely tokens' at each step."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.max_tokens < 1:
+            raise KilnError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise KilnError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise KilnError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise KilnError(f"top_k must be -1 (off) or >= 0, got {self.top_k}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise KilnError(f"logprobs must be >= 0, got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise KilnError("stop strings must be non-empty")
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float] | None]
+
+
+def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask a row of logits to -inf outside its top-k and nucleus (top-p) sets."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # mass before this token already exceeds top_p
+        logits = logits.clone()
+        logits[order[drop]] = float("-inf")
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator,
+) -> SampleResult:
+    """Pick one token per row of fp32 logits [num_seqs, vocab].
+
+    Reported logprobs are of the model's raw distribution (before temperature and filtering).
+    """
+    logprobs = logits.log_softmax(-1)
+    tokens = logits.argmax(-1).tolist()
+    for row, p in enumerate(params):
+        if p.temperature == 0:
+            continue
+        probs = (_filter(logits[row] / p.temperature, p.top_k, p.top_p)).softmax(-1)
+        gen = generators[row] or default_generator
+        tokens[row] = int(torch.multinomial(probs, 1, generator=gen))
+    chosen = logprobs.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+    top: list[dict[int, float] | None] = []
+    for row, p in enumerate(params):
+        if p.logprobs:
+            vals, ids = logprobs[row].topk(min(p.logprobs, logprobs.shape[-1]))
+            top.append(dict(zip(ids.tolist(), vals.tolist())))
+        else:
+            top.append(None)
+    return SampleResult(tokens, chosen, top)

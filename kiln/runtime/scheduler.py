@@ -1,0 +1,126 @@
+"""Builds each step's flattened batch: running sequences first, then new ones while the token
+budget, the sequence cap and the KV blocks allow. Long prompts are prefilled in chunks; when blocks
+run out, the most recently admitted sequence is preempted and later recomputed."""
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from kiln.config import EngineConfig
+from kiln.runtime.kv_cache import BlockAllocator
+from kiln.runtime.sampler import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request: its tokens, how many of them the KV cache holds, and its blocks."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose K/V are not yet in the cache."""
+        return len(self.token_ids) - self.num_computed
+
+
+@dataclass
+class ScheduledBatch:
+    """The sequences of one step, each with the number of its tokens to run."""
+
+    seqs: list[Sequence]
+    num_tokens: list[int]
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int):
+        self.config = config
+        self.allocator = BlockAllocator(num_blocks)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _reserve(self, seq: Sequence, n: int) -> bool:
+        """Make sure `seq` has blocks for its next `n` tokens."""
+        need = -(-(seq.num_computed + n) // self.config.block_size) - len(seq.block_ids)
+        if need > self.allocator.num_free:
+            return False
+        seq.block_ids += self.allocator.allocate(max(need, 0))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq.block_ids)
+        seq.block_ids, seq.num_computed, seq.status = [], 0, Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_num_batched_tokens
+        batch = ScheduledBatch([], [])
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_pending, budget)
+            if not self._reserve(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                continue  # retry `seq` (unless it was the victim, then the loop ends)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            n = min(seq.num_pending, budget)
+            if not self._reserve(seq, n):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+        return batch
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        self.running.remove(seq)
+        self.allocator.free(seq.block_ids)
+        seq.block_ids = []
