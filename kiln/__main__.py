@@ -1,0 +1,5 @@
+import sys
+
+from kiln.cli import main
+
+sys.exit(main())

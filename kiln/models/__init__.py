@@ -1,0 +1,1 @@
+"""Llama-family decoders on kiln ops, their config, the safetensors loader and demo models."""

@@ -1,0 +1,1 @@
+"""Serving-side machinery: paged KV cache, scheduler, runner, sampler, tokenizer, engine."""

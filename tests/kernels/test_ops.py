@@ -1,0 +1,42 @@
+"""Every kiln op passes torch.library.opcheck: schema, fake impl and registration agree."""
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import kiln.kernels  # noqa: F401
+
+ops = torch.ops.kiln
+
+
+def _attention_args():
+    torch.manual_seed(0)
+    kv = torch.randn(2, 6, 4, 2, 8)
+    q = torch.randn(5, 4, 8)
+    return (
+        q, kv, kv.new_empty(0), torch.tensor([0, 3, 4, 5], dtype=torch.int32),
+        torch.tensor([3, 6, 1], dtype=torch.int32), torch.tensor([[0, 0], [1, 2], [3, 0]], dtype=torch.int32),
+        0.35, 0,
+    )
+
+
+CASES = {
+    "rms_norm": (ops.rms_norm, lambda: (torch.randn(3, 16), torch.randn(16), 1e-6)),
+    "fused_add_rms_norm": (ops.fused_add_rms_norm, lambda: (torch.randn(3, 16), torch.randn(3, 16), torch.randn(16), 1e-6)),
+    "silu_and_mul": (ops.silu_and_mul, lambda: (torch.randn(3, 32),)),
+    "rotary_embedding": (
+        ops.rotary_embedding,
+        lambda: (torch.tensor([0, 5, 2]), torch.randn(3, 4, 8), torch.randn(3, 2, 8), torch.randn(16, 8), True),
+    ),
+    "kv_cache_write": (
+        ops.kv_cache_write,
+        lambda: (torch.randn(3, 2, 8), torch.randn(3, 2, 8), torch.zeros(2, 4, 4, 2, 8), torch.tensor([0, 7, -1])),
+    ),
+    "attention": (ops.attention, _attention_args),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_opcheck(name):
+    op, make_args = CASES[name]
+    opcheck(op.default, make_args(), test_utils=("test_schema", "test_faketensor"))

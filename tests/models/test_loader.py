@@ -1,0 +1,79 @@
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kiln.errors import KilnError
+from kiln.models.config import ModelConfig
+from kiln.models.demo import write_demo_model
+from kiln.models.loader import load_weights
+from kiln.models.registry import create_model
+
+
+def _load(model_dir, dtype=torch.float32):
+    model = create_model(ModelConfig.from_model_dir(model_dir), dtype)
+    load_weights(model, model_dir)
+    return model
+
+
+def _copy_with(src, dst, edit):
+    """Copy a single-file demo model, rewriting its tensors with `edit(dict)`."""
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
+def test_sharded_checkpoint_equals_single_file(demo_dirs, tmp_path):
+    sharded = write_demo_model(tmp_path / "sharded", arch="qwen2", max_shard_size="200KB")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    a, b = _load(demo_dirs["qwen2"]), _load(sharded)
+    for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(pa, pb), name
+
+
+def test_merged_projections_hold_the_checkpoint_slices(demo_dirs):
+    model = _load(demo_dirs["llama"])
+    raw = load_file(demo_dirs["llama"] / "model.safetensors")
+    qkv = model.model.layers[1].self_attn.qkv_proj.weight
+    expect = torch.cat([raw[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(qkv, expect)
+    gate_up = model.model.layers[1].mlp.gate_up_proj.weight
+    assert torch.equal(gate_up, torch.cat([raw["model.layers.1.mlp.gate_proj.weight"],
+                                           raw["model.layers.1.mlp.up_proj.weight"]]))
+
+
+def test_bfloat16_load_casts(demo_dirs):
+    model = _load(demo_dirs["qwen3"], torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_missing_tensor_is_named(demo_dirs, tmp_path):
+    d = _copy_with(demo_dirs["llama"], tmp_path / "m", lambda t: t.pop("model.layers.2.mlp.up_proj.weight"))
+    with pytest.raises(KilnError, match=r"missing tensor 'model.layers.2.mlp.up_proj.weight'$"):
+        _load(d)
+
+
+def test_wrong_shape_is_named(demo_dirs, tmp_path):
+    def edit(t):
+        t["model.layers.0.self_attn.k_proj.weight"] = t["model.layers.0.self_attn.k_proj.weight"][:-1].clone()
+
+    d = _copy_with(demo_dirs["llama"], tmp_path / "m", edit)
+    with pytest.raises(KilnError, match=r"'model.layers.0.self_attn.k_proj.weight' .* has shape \[63, 256\]"):
+        _load(d)
+
+
+def test_unexpected_tensor_is_named(demo_dirs, tmp_path):
+    d = _copy_with(demo_dirs["llama"], tmp_path / "m", lambda t: t.update({"model.extra.weight": torch.ones(2)}))
+    with pytest.raises(KilnError, match="unexpected tensor 'model.extra.weight'"):
+        _load(d)
+
+
+def test_no_weights(demo_dirs, tmp_path):
+    (tmp_path / "config.json").write_text((demo_dirs["llama"] / "config.json").read_text())
+    with pytest.raises(KilnError, match="no \\*.safetensors"):
+        _load(tmp_path)

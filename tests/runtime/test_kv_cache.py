@@ -1,0 +1,35 @@
+import pytest
+import torch
+
+from kiln.errors import KilnError
+from kiln.models.config import ModelConfig
+from kiln.runtime.kv_cache import BlockAllocator, allocate_kv_caches, bytes_per_block, num_kv_blocks
+
+CFG = ModelConfig("LlamaForCausalLM", vocab_size=10, hidden_size=64, intermediate_size=128, num_layers=3,
+                  num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
+                  max_position_embeddings=128)
+
+
+def test_allocator_hands_out_distinct_blocks_and_reuses_freed():
+    alloc = BlockAllocator(6)
+    a, b = alloc.allocate(2), alloc.allocate(3)
+    assert len(set(a + b)) == 5 and alloc.num_free == 1
+    with pytest.raises(KilnError, match="asked for 2, 1 free"):
+        alloc.allocate(2)
+    alloc.free(a)
+    assert alloc.num_free == 3 and set(alloc.allocate(2)) == set(a)
+    assert alloc.allocate(0) == []
+
+
+def test_block_count_respects_memory_and_need():
+    per_block = bytes_per_block(CFG, 16, torch.float32)
+    assert per_block == 2 * 16 * 2 * 16 * 4 * 3
+    assert num_kv_blocks(CFG, 16, torch.float32, 10 * per_block, 10_000) == 10
+    assert num_kv_blocks(CFG, 16, torch.float32, 1 << 30, 100) == 7
+
+
+def test_kv_tensors_are_combined_and_zeroed():
+    caches = allocate_kv_caches(CFG, 5, 16, torch.bfloat16)
+    assert len(caches) == 3
+    assert caches[0].shape == (2, 5, 16, 2, 16) and caches[0].dtype == torch.bfloat16
+    assert not caches[0].any()

@@ -1,0 +1,51 @@
+"""The `kiln` command as a user runs it: a fresh process, real files, one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def kiln(*args, check=True):
+    proc = subprocess.run([sys.executable, "-m", "kiln", *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(proc.stderr)
+    return proc
+
+
+def test_demo_model_then_generate(tmp_path):
+    out = tmp_path / "demo"
+    assert kiln("demo-model", out, "--arch", "qwen3", "--num-layers", "2").stdout.strip() == str(out)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["num_hidden_layers"] == 2
+    assert (out / "tokenizer.json").is_file() and (out / "model.safetensors").is_file()
+    proc = kiln("generate", out, "--prompt", "The kiln was", "--max-tokens", "8")
+    assert proc.stdout.startswith("The kiln was") and len(proc.stdout.strip()) > len("The kiln was")
+    # greedy is deterministic across processes
+    assert kiln("generate", out, "--prompt", "The kiln was", "--max-tokens", "8").stdout == proc.stdout
+
+
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        (lambda d: None, "does not exist"),
+        (lambda d: d.mkdir() or (d / "config.json").write_text('{"architectures": ["BertModel"]}'),
+         "unsupported architecture BertModel"),
+        (lambda d: d.mkdir() or (d / "config.json").write_text("{not json"), "is not valid JSON"),
+    ],
+    ids=["missing-dir", "unsupported-arch", "bad-json"],
+)
+def test_errors_are_one_line_without_traceback(tmp_path, setup, message):
+    model = tmp_path / "m"
+    setup(model)
+    proc = kiln("generate", model, "--prompt", "x", check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("kiln: error:") and message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_help_lists_commands():
+    out = kiln("--help").stdout
+    assert "generate" in out and "demo-model" in out

@@ -1,0 +1,135 @@
+"""The foundation's acceptance tests: kiln equals Hugging Face transformers on the same weights."""
+
+import pytest
+import torch
+
+from kiln import LLM, KilnError, SamplingParams
+from tests.oracle import PROMPTS, hf_greedy
+
+MAX_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(demo_dirs, hf_models):
+    """Greedy tokens and logprobs from transformers for every architecture and prompt."""
+    ref = {}
+    for arch, model in hf_models.items():
+        llm = LLM(demo_dirs[arch])
+        ref[arch] = [hf_greedy(model, llm.tokenizer.encode(p), MAX_TOKENS) for p in PROMPTS]
+    return ref
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    "engine", [{}, {"max_num_seqs": 3, "max_num_batched_tokens": 16}], ids=["one-batch", "mixed-chunked"]
+)
+def test_greedy_equals_transformers(demo_dirs, hf_reference, arch, engine):
+    """8 prompts of different lengths in one batch; `mixed-chunked` caps sequences and tokens per step
+    so prompts are prefilled in chunks inside batches that also carry other sequences' decodes."""
+    llm = LLM(demo_dirs[arch], **engine)
+    steps = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recording_schedule():
+        batch = schedule()
+        steps.append([(n, n == s.num_pending) for s, n in
+                      zip(batch.seqs, batch.num_tokens)])
+        return batch
+
+    llm.engine.scheduler.schedule = recording_schedule
+    outs = llm.generate(PROMPTS, GREEDY)
+    if engine:
+        chunked = any(not done for step in steps for _, done in step)
+        mixed = any({n == 1 for n, _ in step} == {True, False} for step in steps)
+        assert chunked and mixed
+    lengths = {len(o.prompt_token_ids) for o in outs}
+    assert len(lengths) > 4 and max(lengths) > 16
+    for out, (ref_tokens, ref_logprobs) in zip(outs, hf_reference[arch]):
+        assert out.token_ids == ref_tokens
+        torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(ref_logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_batched_equals_one_at_a_time(demo_dirs, arch):
+    llm = LLM(demo_dirs[arch])
+    batched = llm.generate(PROMPTS, GREEDY)
+    for prompt, out in zip(PROMPTS, batched):
+        single = llm.generate([prompt], GREEDY)[0]
+        assert single.token_ids == out.token_ids
+        assert single.logprobs == pytest.approx(out.logprobs, abs=1e-5)
+
+
+def test_bfloat16_follows_transformers(demo_dirs):
+    """bf16 rounding differs between batched and unbatched matmuls, so compare the first steps'
+    logprobs loosely rather than whole greedy runs."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(demo_dirs["llama"], dtype=torch.bfloat16).eval()
+    llm = LLM(demo_dirs["llama"], dtype="bfloat16")
+    prompt = llm.tokenizer.encode(PROMPTS[0])
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=5))[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0, -1].float().log_softmax(-1)
+    assert out.token_ids[0] == int(ref.argmax())
+    for token, lp in out.top_logprobs[0].items():
+        assert lp == pytest.approx(float(ref[token]), abs=0.05)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(demo_dirs):
+    llm = LLM(demo_dirs["llama"])
+    p = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], p)[0].token_ids
+    others = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    batched = llm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]], [others, p, others])[1].token_ids
+    assert alone == batched
+    other_seed = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0.9, seed=99, ignore_eos=True))
+    assert other_seed[0].token_ids != alone
+
+
+def test_stop_string_cuts_text(demo_dirs):
+    llm = LLM(demo_dirs["llama"])
+    full = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    stop = full.text[5:8]
+    assert len(stop) == 3 and stop.strip()
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[: full.text.index(stop)]
+    assert len(out.token_ids) < len(full.token_ids)
+
+
+def test_stop_token_ids_and_length(demo_dirs):
+    llm = LLM(demo_dirs["llama"])
+    full = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 10
+    stop_at = full.token_ids[4]
+    out = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at]))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == full.token_ids[: full.token_ids.index(stop_at) + 1]
+
+
+def test_max_model_len_caps_generation(demo_dirs):
+    llm = LLM(demo_dirs["llama"], max_model_len=40)
+    prompt = llm.tokenizer.encode(PROMPTS[2])
+    assert len(prompt) < 40
+    out = llm.generate([prompt], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == 40
+    with pytest.raises(KilnError, match="max_model_len is 40"):
+        llm.generate([list(range(40))], SamplingParams())
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [([], "prompt is empty"), ([1, 99999], "token id 99999 is outside the vocabulary"), ([-1], "token id -1")],
+)
+def test_bad_prompts_are_rejected(demo_dirs, prompt, message):
+    llm = LLM(demo_dirs["llama"])
+    with pytest.raises(KilnError, match=message):
+        llm.generate([prompt], SamplingParams())
+
+
+def test_bad_sampling_params():
+    with pytest.raises(KilnError, match="max_tokens must be >= 1"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(KilnError, match="top_p"):
+        SamplingParams(top_p=0)
