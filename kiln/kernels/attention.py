@@ -53,12 +53,12 @@ def attention_native(
     window = sliding_window if sliding_window > 0 else None
 
     if decodes:
-        idx = torch.tensor(decodes)
+        idx = torch.tensor(decodes, device=query.device)
         ctx = seq_lens[idx].long()
         nblk = -(-max(lens[i] for i in decodes) // block_size)
         blocks = block_tables[idx, :nblk].long()
         k, v = _gather(kv_cache[0], blocks), _gather(kv_cache[1], blocks)  # [B, Hkv, S, D]
-        pos = torch.arange(k.shape[-2])
+        pos = torch.arange(k.shape[-2], device=query.device)
         mask = pos[None, :] < ctx[:, None]
         if window is not None:
             mask &= pos[None, :] > (ctx[:, None] - 1 - window)
@@ -79,8 +79,8 @@ def attention_native(
         if n == ctx and window is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            q_pos = torch.arange(ctx - n, ctx)[:, None]
-            k_pos = torch.arange(ctx)[None, :]
+            q_pos = torch.arange(ctx - n, ctx, device=query.device)[:, None]
+            k_pos = torch.arange(ctx, device=query.device)[None, :]
             mask = k_pos <= q_pos
             if window is not None:
                 mask &= k_pos > q_pos - window

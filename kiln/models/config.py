@@ -12,14 +12,15 @@ class ArchSpec:
     """What distinguishes one supported `architectures` entry from plain Llama."""
 
     qkv_bias: bool | None = None  # None: read `attention_bias` from config.json
+    o_bias: bool | None = None  # likewise, for the output projection
     qk_norm: bool = False
     uses_sliding_window_flag: bool = False  # Qwen: `sliding_window` counts only if `use_sliding_window`
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "LlamaForCausalLM": ArchSpec(),
-    "MistralForCausalLM": ArchSpec(qkv_bias=False),
-    "Qwen2ForCausalLM": ArchSpec(qkv_bias=True, uses_sliding_window_flag=True),
+    "MistralForCausalLM": ArchSpec(qkv_bias=False, o_bias=False),
+    "Qwen2ForCausalLM": ArchSpec(qkv_bias=True, o_bias=False, uses_sliding_window_flag=True),
     "Qwen3ForCausalLM": ArchSpec(qk_norm=True, uses_sliding_window_flag=True),
 }
 
@@ -74,6 +75,7 @@ class ModelConfig:
             )
         heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
+        bias = hf.get("attention_bias", False)
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -88,8 +90,8 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             rope_scaling=rope if rope_type != "default" else None,
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            qkv_bias=spec.qkv_bias if spec.qkv_bias is not None else hf.get("attention_bias", False),
-            o_bias=arch != "Qwen2ForCausalLM" and arch != "MistralForCausalLM" and hf.get("attention_bias", False),
+            qkv_bias=bias if spec.qkv_bias is None else spec.qkv_bias,
+            o_bias=bias if spec.o_bias is None else spec.o_bias,
             mlp_bias=hf.get("mlp_bias", False),
             qk_norm=spec.qk_norm,
             sliding_window=window,

@@ -99,6 +99,8 @@ class Engine:
         """Run one batch; return the requests that finished in it."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
+            if self.has_unfinished():
+                raise KilnError("the scheduler could place no request in the KV cache: raise kv_cache_memory_bytes")
             return []
         rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)) if n == s.num_pending]
         logits = self.runner.execute(batch, rows)

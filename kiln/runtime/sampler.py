@@ -82,7 +82,7 @@ def sample(
         probs = (_filter(logits[row] / p.temperature, p.top_k, p.top_p)).softmax(-1)
         gen = generators[row] or default_generator
         tokens[row] = int(torch.multinomial(probs, 1, generator=gen))
-    chosen = logprobs.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1)).squeeze(1).tolist()
     top: list[dict[int, float] | None] = []
     for row, p in enumerate(params):
         if p.logprobs:
