@@ -19,6 +19,9 @@ logger = logging.getLogger(__name__)
 class LLM:
     """Load a Hugging Face-format decoder and generate from batches of prompts.
 
+    `compile=True` traces and compiles the backbone with kiln's compiler in this process (the saved,
+    load-without-compiling artifact is not wired in yet).
+
     >>> llm = LLM("path/to/model")
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))[0].text
     """
@@ -32,8 +35,6 @@ class LLM:
         device: str = "cpu",
         **engine_options,
     ):
-        if compile:
-            raise KilnError("compile=True is not available yet: kiln's compiler lands after the foundation")
         start = time.perf_counter()
         model_dir = Path(model)
         if not model_dir.is_dir():
@@ -42,7 +43,12 @@ class LLM:
         self.model = create_model(self.model_config, parse_dtype(dtype), device)
         load_weights(self.model, model_dir)
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
-        self.engine = Engine(self.model, EngineConfig(**engine_options), self.tokenizer, seed=seed)
+        forward = None
+        if compile:
+            from kiln.compiler.compile import compile_backbone
+
+            forward = compile_backbone(self.model)
+        self.engine = Engine(self.model, EngineConfig(**engine_options), self.tokenizer, seed=seed, forward=forward)
         logger.info("ready in %.2fs", time.perf_counter() - start)
 
     def generate(

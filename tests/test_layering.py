@@ -13,6 +13,7 @@ FORBIDDEN = {
     "kernels": ("kiln.compiler", "kiln.passes", "kiln.runtime", "kiln.models", "kiln.llm"),
     "models": ("kiln.compiler", "kiln.passes", "kiln.runtime", "kiln.llm"),
     "passes": ("kiln.runtime", "kiln.llm"),
+    "compiler": ("kiln.runtime", "kiln.llm"),
     "runtime": ("kiln.compiler.trace", "kiln.compiler.compile", "kiln.compiler.split", "kiln.passes", "kiln.llm"),
 }
 

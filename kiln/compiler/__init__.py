@@ -1,0 +1,1 @@
+"""kiln's compiler: trace the backbone once, split it at attention, compile each unique piece."""

@@ -1,0 +1,6 @@
+"""Process-wide counters of compiler work, which tests and `kiln compile` read."""
+
+from collections import Counter
+
+counters: Counter[str] = Counter()
+"""Keys: graphs_traced, pieces, pieces_compiled (unique), pieces_reused."""

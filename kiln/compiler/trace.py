@@ -1,0 +1,98 @@
+"""Trace the decoder backbone once with Dynamo into one FX graph.
+
+The only dynamic dimensions are the token count (input_ids, positions, slot_mapping) and the KV
+cache's block count; Dynamo's guards are dropped because the runtime guarantees the input contract.
+"""
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from kiln.compiler.counters import counters
+from kiln.compiler.program import GraphInput
+from kiln.kernels import AttentionMetadata
+from kiln.models.llama import CausalLM
+
+logger = logging.getLogger(__name__)
+
+EXAMPLE_TOKENS = 9  # any size above 1: Dynamo specializes 0 and 1
+
+
+@dataclass
+class TracedBackbone:
+    graph: fx.GraphModule
+    inputs: list[GraphInput]
+
+
+def _example_batch(model: CausalLM):
+    cfg, n = model.config, EXAMPLE_TOKENS
+    kv_caches = [
+        torch.zeros(2, 4, 16, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype) for _ in range(cfg.num_layers)
+    ]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=torch.arange(4, dtype=torch.int32)[None],
+    )
+    ids, positions = torch.arange(n), torch.arange(n)
+    for t in (ids, positions, meta.slot_mapping):
+        torch._dynamo.mark_dynamic(t, 0)
+    for t in kv_caches:
+        torch._dynamo.mark_dynamic(t, 1)
+    return ids, positions, kv_caches, meta
+
+
+def _graph_inputs(graph: fx.GraphModule, example_inputs: list, model: CausalLM, batch) -> list[GraphInput]:
+    """Name each graph input by the object it was traced from (sizes: by the input dim carrying them)."""
+    ids, positions, kv_caches, meta = batch
+    sources = {id(t): GraphInput("weight", n) for n, t in (*model.named_parameters(), *model.named_buffers())}
+    sources[id(ids)], sources[id(positions)] = GraphInput("input", "input_ids"), GraphInput("input", "positions")
+    sources |= {id(t): GraphInput("kv_cache", str(i)) for i, t in enumerate(kv_caches)}
+    sources |= {id(getattr(meta, f)): GraphInput("meta", f) for f in meta.__dataclass_fields__}
+    placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+    inputs: list[GraphInput] = []
+    for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
+        if isinstance(value, torch.Tensor):
+            inputs.append(sources[id(value)])
+            continue
+        symbol = str(node.meta["example_value"])
+        owner = next(
+            (j, d)
+            for j, p in enumerate(placeholders[i + 1 :], start=i + 1)
+            if isinstance(p.meta.get("example_value"), torch.Tensor)
+            for d, size in enumerate(p.meta["example_value"].shape)
+            if str(size) == symbol
+        )
+        inputs.append(GraphInput("size", symbol, of=owner[0], dim=owner[1]))
+    return inputs
+
+
+def trace_backbone(model: CausalLM) -> TracedBackbone:
+    """Trace `model.forward` once (fullgraph) and return the graph with its input contract."""
+    start = time.perf_counter()
+    captured = {}
+
+    def backend(gm: fx.GraphModule, example_inputs: list):
+        captured["graph"], captured["inputs"] = gm, example_inputs
+        return gm.forward
+
+    def backbone(input_ids, positions, kv_caches, attn_metadata):
+        n = input_ids.size(0)  # one token-count symbol for every per-token tensor
+        torch._check(positions.size(0) == n)
+        torch._check(attn_metadata.slot_mapping.size(0) == n)
+        return model(input_ids, positions, kv_caches, attn_metadata)
+
+    batch = _example_batch(model)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(backbone, backend=backend, fullgraph=True)(*batch)
+    torch._dynamo.reset()
+    counters["graphs_traced"] += 1
+    graph = captured["graph"]
+    inputs = _graph_inputs(graph, captured["inputs"], model, batch)
+    logger.info("traced backbone: %d nodes in %.2fs", len(graph.graph.nodes), time.perf_counter() - start)
+    return TracedBackbone(graph, inputs)
