@@ -55,10 +55,6 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_tokens: list[int]
 
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_tokens)
-
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int):

@@ -49,3 +49,15 @@ def test_unique_pieces_do_not_grow_with_depth(tmp_path, layers):
     assert counters["pieces_compiled"] == 3
     out = llm.generate(["The kiln"], GREEDY)[0]
     assert out.token_ids == LLM(model_dir).generate(["The kiln"], GREEDY)[0].token_ids
+
+
+def test_registered_splitting_op_adds_cuts(demo_dirs):
+    from kiln.compiler.split import SPLITTING_OPS, add_splitting_op
+
+    graph = trace_backbone(LLM(demo_dirs["llama"], max_num_seqs=1).model).graph
+    add_splitting_op(torch.ops.kiln.silu_and_mul)
+    try:
+        _, pieces = split_graph(graph)
+    finally:
+        SPLITTING_OPS.discard(torch.ops.kiln.silu_and_mul)
+    assert sum(p.is_splitting for p in pieces) == 8 and len(pieces) == 17  # 4 attentions + 4 MLP activations
