@@ -27,11 +27,17 @@ class GraphInput:
 
 
 class CompiledProgram:
-    """Runs `graph` (the split backbone, its pieces compiled) on a model's weights and a batch."""
+    """Runs `graph` (the split backbone, its pieces compiled) on a model's weights and a batch.
+
+    Weights are bound once here; each call binds only the batch's tensors and sizes.
+    """
 
     def __init__(self, graph: Callable, inputs: list[GraphInput], model: nn.Module):
         self.graph, self.inputs = graph, inputs
-        self.weights = dict(model.named_parameters()) | dict(model.named_buffers())
+        weights = dict(model.named_parameters()) | dict(model.named_buffers())
+        self._bound = [weights[spec.name] if spec.kind == "weight" else None for spec in inputs]
+        self._per_call = [(i, spec) for i, spec in enumerate(inputs) if spec.kind in ("input", "meta", "kv_cache")]
+        self._sizes = [(i, spec.of, spec.dim) for i, spec in enumerate(inputs) if spec.kind == "size"]
 
     def __call__(
         self,
@@ -41,20 +47,15 @@ class CompiledProgram:
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         batch = {"input_ids": input_ids, "positions": positions}
-        args: list = []
-        for spec in self.inputs:
-            if spec.kind == "weight":
-                args.append(self.weights[spec.name])
-            elif spec.kind == "input":
-                args.append(batch[spec.name])
+        args = list(self._bound)
+        for i, spec in self._per_call:
+            if spec.kind == "input":
+                args[i] = batch[spec.name]
             elif spec.kind == "meta":
-                args.append(getattr(attn_metadata, spec.name))
-            elif spec.kind == "kv_cache":
-                args.append(kv_caches[int(spec.name)])
+                args[i] = getattr(attn_metadata, spec.name)
             else:
-                args.append(None)
-        for i, spec in enumerate(self.inputs):  # sizes may precede the tensor they measure
-            if spec.kind == "size":
-                args[i] = args[spec.of].shape[spec.dim]
+                args[i] = kv_caches[int(spec.name)]
+        for i, of, dim in self._sizes:  # after the tensors: a size may precede the tensor it measures
+            args[i] = args[of].shape[dim]
         out = self.graph(*args)
         return out[0] if isinstance(out, (tuple, list)) else out
