@@ -61,12 +61,17 @@ def _graph_inputs(graph: fx.GraphModule, example_inputs: list, model: CausalLM, 
             continue
         symbol = str(node.meta["example_value"])
         owner = next(
-            (j, d)
-            for j, p in enumerate(placeholders[i + 1 :], start=i + 1)
-            if isinstance(p.meta.get("example_value"), torch.Tensor)
-            for d, size in enumerate(p.meta["example_value"].shape)
-            if str(size) == symbol
+            (
+                (j, d)
+                for j, p in enumerate(placeholders)
+                if isinstance(p.meta.get("example_value"), torch.Tensor)
+                for d, size in enumerate(p.meta["example_value"].shape)
+                if str(size) == symbol
+            ),
+            None,
         )
+        if owner is None:
+            raise RuntimeError(f"traced graph input {node.name} = {symbol} is no dimension of any input tensor")
         inputs.append(GraphInput("size", symbol, of=owner[0], dim=owner[1]))
     return inputs
 
@@ -87,6 +92,7 @@ def trace_backbone(model: CausalLM) -> TracedBackbone:
         return model(input_ids, positions, kv_caches, attn_metadata)
 
     batch = _example_batch(model)
+    # `backbone` is one code object for every model: reset so a second trace is not a Dynamo recompile
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(backbone, backend=backend, fullgraph=True)(*batch)
