@@ -31,10 +31,11 @@ def test_compiled_equals_eager(demo_dirs, arch):
 
 def test_split_gives_2l_plus_1_pieces(demo_dirs):
     llm = LLM(demo_dirs["qwen3"], max_num_seqs=1)
-    stitched, pieces = split_graph(trace_backbone(llm.model).graph)
+    traced = trace_backbone(llm.model)
+    _, pieces = split_graph(traced.graph)
     assert len(pieces) == 2 * 4 + 1
     assert [p.is_splitting for p in pieces] == [i % 2 == 1 for i in range(9)]
-    inputs = trace_backbone(llm.model).inputs
+    inputs = traced.inputs
     kinds = {i.kind for i in inputs}
     assert kinds == {"weight", "input", "meta", "kv_cache", "size"}
     assert sum(i.kind == "kv_cache" for i in inputs) == 4
