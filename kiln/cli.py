@@ -7,10 +7,67 @@ import sys
 from kiln.errors import KilnError
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts like 1,2,4,8, got {text!r}") from None
+    if any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"token counts must be >= 1, got {text!r}")
+    return sizes
+
+
+def _compile_config(args: argparse.Namespace):
+    from kiln.config import CompileConfig
+
+    return CompileConfig(max_num_tokens=args.max_num_tokens, sizes=args.sizes)
+
+
+def _cmd_compile(args: argparse.Namespace) -> None:
+    import time
+    from pathlib import Path
+
+    from kiln.compiler.compile import build_artifact
+    from kiln.config import default_cache_dir, parse_dtype
+    from kiln.models.config import ModelConfig
+    from kiln.models.registry import create_model
+
+    start = time.perf_counter()
+    if not Path(args.model_dir).is_dir():
+        raise KilnError(f"model directory {args.model_dir} does not exist")
+    # Compiling needs shapes and dtypes only: the weights stay uninitialized and are never read.
+    model = create_model(ModelConfig.from_model_dir(Path(args.model_dir)), parse_dtype(args.dtype))
+    result = build_artifact(
+        model,
+        _compile_config(args),
+        Path(args.cache_dir or default_cache_dir()),
+        dump_dir=Path(args.dump_dir) if args.dump_dir else None,
+        progress=not args.quiet,
+        force=args.force,
+    )
+    if result.reused:
+        print(f"artifact already present and valid (checked in {time.perf_counter() - start:.2f}s)")
+    else:
+        print(f"{'stage':<10}{'seconds':>10}")
+        for stage, seconds in result.timings.items():
+            print(f"{stage:<10}{seconds:>10.2f}")
+        print(f"{'total':<10}{time.perf_counter() - start:>10.2f}")
+    print(result.path)
+
+
 def _cmd_generate(args: argparse.Namespace) -> None:
     from kiln import LLM, SamplingParams
 
-    llm = LLM(args.model_dir, dtype=args.dtype, seed=args.seed)
+    llm = LLM(
+        args.model_dir,
+        dtype=args.dtype,
+        seed=args.seed,
+        compile=args.compile or args.require_artifact,
+        cache_dir=args.cache_dir,
+        require_artifact=args.require_artifact,
+        compile_config=_compile_config(args),
+        max_num_batched_tokens=args.max_num_tokens,
+    )
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -28,6 +85,15 @@ def _cmd_demo_model(args: argparse.Namespace) -> None:
 
     out = write_demo_model(args.out_dir, arch=args.arch, num_layers=args.num_layers, seed=args.seed)
     print(out)
+
+
+def _add_compile_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cache-dir", metavar="DIR", help="artifact cache (default $KILN_CACHE, else "
+                        "~/.cache/kiln)")
+    parser.add_argument("--max-num-tokens", type=int, default=2048, metavar="N", help="largest batch in tokens "
+                        "the compiled pieces serve (default 2048)")
+    parser.add_argument("--sizes", type=_sizes, default=(), metavar="N,N,...", help="token counts that also get "
+                        "a static-shape compile, e.g. 1,2,4,8 (default: none)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +118,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string; repeat for several")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and "
                      "activations dtype (default float32)")
+    gen.add_argument("--compile", action="store_true", help="run the compiled artifact (compiling it first if "
+                     "it is absent or unusable)")
+    gen.add_argument("--require-artifact", action="store_true", help="run the compiled artifact and fail if it is "
+                     "absent or unusable instead of compiling (implies --compile)")
+    _add_compile_options(gen)
     gen.set_defaults(func=_cmd_generate)
+
+    comp = sub.add_parser("compile", help="trace and compile a model into a cached artifact",
+                          description="Trace the model's decoder once, split it at attention, compile each unique "
+                          "piece with Inductor and save one artifact (program, compiled pieces, built kernels) "
+                          "under the cache directory. Prints a table of stage timings and the artifact path. "
+                          "An artifact already present and valid is reused.")
+    comp.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model directory (config.json, "
+                      "*.safetensors); only its config is read")
+    comp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="activations dtype "
+                      "(default float32)")
+    _add_compile_options(comp)
+    comp.add_argument("--dump-dir", metavar="DIR", help="write depyf's decompiled bytecode and the graphs before "
+                      "and after splitting here")
+    comp.add_argument("--force", action="store_true", help="compile even if a valid artifact is present")
+    comp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    comp.set_defaults(func=_cmd_compile)
 
     demo = sub.add_parser("demo-model", help="write a tiny random model kiln can run (nothing is downloaded)",
                           description="Write a tiny Hugging Face-format model with random weights and a "

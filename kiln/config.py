@@ -1,6 +1,8 @@
 """Configuration objects, with every default in one place."""
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -34,3 +36,28 @@ class EngineConfig:
         for name in ("block_size", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise KilnError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """What `kiln compile` builds: it is part of the artifact's cache key, so only knobs that change
+    the compiled code belong here."""
+
+    max_num_tokens: int = 2048
+    """Largest flattened batch (tokens per step) the compiled pieces serve; the runtime's
+    max_num_batched_tokens may not exceed it."""
+    sizes: tuple[int, ...] = field(default_factory=tuple)
+    """Token counts that also get a static-shape compile of every piece (others use the dynamic one)."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_tokens < 1:
+            raise KilnError(f"max_num_tokens must be >= 1, got {self.max_num_tokens}")
+        bad = [s for s in self.sizes if not 1 <= s <= self.max_num_tokens]
+        if bad:
+            raise KilnError(f"static sizes {bad} are outside [1, max_num_tokens={self.max_num_tokens}]")
+        object.__setattr__(self, "sizes", tuple(sorted(set(self.sizes))))
+
+
+def default_cache_dir() -> Path:
+    """Where artifacts live: `$KILN_CACHE`, else ~/.cache/kiln."""
+    return Path(os.environ.get("KILN_CACHE") or Path.home() / ".cache" / "kiln").expanduser()

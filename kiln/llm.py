@@ -4,7 +4,9 @@ import logging
 import time
 from pathlib import Path
 
-from kiln.config import EngineConfig, parse_dtype
+from kiln.compiler import artifact
+from kiln.compiler.key import cache_key, key_factors
+from kiln.config import CompileConfig, EngineConfig, default_cache_dir, parse_dtype
 from kiln.errors import KilnError
 from kiln.models.config import ModelConfig
 from kiln.models.loader import load_weights
@@ -19,8 +21,9 @@ logger = logging.getLogger(__name__)
 class LLM:
     """Load a Hugging Face-format decoder and generate from batches of prompts.
 
-    `compile=True` traces and compiles the backbone with kiln's compiler in this process (the saved,
-    load-without-compiling artifact is not wired in yet).
+    `compile=True` runs the backbone from kiln's compiled artifact in `cache_dir` (default
+    `$KILN_CACHE` or ~/.cache/kiln), compiling it first if it is absent or unusable; with
+    `require_artifact=True` a missing or broken artifact is an error instead.
 
     >>> llm = LLM("path/to/model")
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))[0].text
@@ -33,6 +36,9 @@ class LLM:
         compile: bool = False,
         seed: int = 0,
         device: str = "cpu",
+        cache_dir: str | Path | None = None,
+        require_artifact: bool = False,
+        compile_config: CompileConfig | None = None,
         **engine_options,
     ):
         start = time.perf_counter()
@@ -43,13 +49,34 @@ class LLM:
         self.model = create_model(self.model_config, parse_dtype(dtype), device)
         load_weights(self.model, model_dir)
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+        engine_config = EngineConfig(**engine_options)
         forward = None
         if compile:
-            from kiln.compiler.compile import compile_backbone
-
-            forward = compile_backbone(self.model)
-        self.engine = Engine(self.model, EngineConfig(**engine_options), self.tokenizer, seed=seed, forward=forward)
+            compile_config = compile_config or CompileConfig()
+            if engine_config.max_num_batched_tokens > compile_config.max_num_tokens:
+                raise KilnError(
+                    f"max_num_batched_tokens {engine_config.max_num_batched_tokens} exceeds the compiled "
+                    f"max_num_tokens {compile_config.max_num_tokens}: lower it or compile with a larger "
+                    "--max-num-tokens"
+                )
+            forward = self._compiled(Path(cache_dir or default_cache_dir()), compile_config, require_artifact)
+        self.engine = Engine(self.model, engine_config, self.tokenizer, seed=seed, forward=forward)
         logger.info("ready in %.2fs", time.perf_counter() - start)
+
+    def _compiled(self, cache_dir: Path, compile_config: CompileConfig, require_artifact: bool):
+        """Load the artifact for this model and config; compile it first if it is absent or broken."""
+        path = cache_dir / cache_key(key_factors(self.model.config, self.model.dtype, compile_config))
+        try:
+            return artifact.load(path, self.model)
+        except artifact.ArtifactError as e:
+            if require_artifact:
+                raise
+            log = logger.info if isinstance(e, artifact.ArtifactMissing) else logger.warning
+            log("%s; compiling now", e)
+        from kiln.compiler.compile import build_artifact  # the tracing path, only when needed
+
+        result = build_artifact(self.model, compile_config, cache_dir)
+        return artifact.load(result.path, self.model)
 
     def generate(
         self,

@@ -1,22 +1,33 @@
-"""Compile each unique piece with Inductor, for a symbolic token count.
+"""`kiln compile`: trace, split, compile each unique piece with Inductor, save one artifact.
 
 Pieces whose graphs are the same up to input names (every middle decoder layer) are compiled once.
+Each unique piece is compiled for a symbolic token count and, if asked, for static token counts.
 """
 
 import copy
+import dataclasses
 import hashlib
 import logging
+import shutil
 import time
-from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from filelock import FileLock
 from torch import fx
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+from tqdm import tqdm
 
+from kiln.compiler import artifact, kernel_store
 from kiln.compiler.counters import counters
-from kiln.compiler.program import CompiledProgram
-from kiln.compiler.split import Piece, split_graph
-from kiln.compiler.trace import trace_backbone
+from kiln.compiler.key import cache_key, key_factors
+from kiln.compiler.program import arg_names
+from kiln.compiler.split import Piece, split_graph, stitching_source
+from kiln.compiler.trace import TracedBackbone, trace_backbone
+from kiln.config import CompileConfig
 from kiln.models.llama import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -40,61 +51,199 @@ def _returns_tuple(graph: fx.GraphModule) -> bool:
     return isinstance(output.args[0], (tuple, list))
 
 
-def _callable(artifact, as_tuple: bool) -> Callable:
-    """Compiled artifacts return a list (or, in process, a bare tensor); restore the piece's form."""
-
-    def run(*args):
-        out = artifact(*args)
-        if as_tuple:
-            return tuple(out)
-        return out[0] if isinstance(out, (list, tuple)) else out
-
-    return run
+def _examples(piece: Piece) -> list:
+    return [n.meta["example_value"] for n in piece.graph.graph.nodes if n.op == "placeholder"]
 
 
-def compile_pieces(pieces: list[Piece]) -> dict[str, Callable]:
-    """Compile every non-splitting piece (unique graphs once); returns name -> callable."""
-    by_key: dict[str, object] = {}
-    compiled: dict[str, Callable] = {}
-    for piece in pieces:
-        if piece.is_splitting:
+def _token_location(examples: list, token_symbol: str) -> tuple[int, int | None] | None:
+    """Where a piece's arguments carry the token count: an int argument, else a tensor dimension."""
+    for i, value in enumerate(examples):
+        if isinstance(value, torch.SymInt) and str(value) == token_symbol:
+            return i, None
+    for i, value in enumerate(examples):
+        if isinstance(value, torch.Tensor):
+            for dim, size in enumerate(value.shape):
+                if str(size) == token_symbol:
+                    return i, dim
+    return None
+
+
+def _static_examples(examples: list, token_symbol: str, n: int) -> tuple[list, FakeTensorMode]:
+    """The piece's example inputs with the token count fixed to `n`; other symbolic dimensions (the
+    KV cache's block count) stay symbolic in a fresh shape environment."""
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    renamed: dict[str, torch.SymInt] = {}
+    out: list = []
+
+    def hint(size) -> int:
+        return n if str(size) == token_symbol else (size.node.hint if isinstance(size, torch.SymInt) else size)
+
+    for value in examples:
+        if not isinstance(value, torch.Tensor):
+            out.append(value)
             continue
-        counters["pieces"] += 1
-        graph = normalize(piece.graph)
-        key = piece_key(graph)
-        if key not in by_key:
-            start = time.perf_counter()
-            example = [n.meta["example_value"] for n in piece.graph.graph.nodes if n.op == "placeholder"]
-            by_key[key] = torch._inductor.standalone_compile(
-                graph, example, dynamic_shapes="from_example_inputs", fake_mode=detect_fake_mode(example)
-            )
+        dynamic = [isinstance(s, torch.SymInt) and str(s) != token_symbol for s in value.shape]
+        real = torch.empty([hint(s) for s in value.shape], dtype=value.dtype)
+        context = StatelessSymbolicContext(
+            dynamic_sizes=[DimDynamic.DYNAMIC if d else DimDynamic.STATIC for d in dynamic],
+            constraint_sizes=[None] * value.dim(),
+        )
+        fake = mode.from_tensor(real, symbolic_context=context)
+        for size, new, d in zip(value.shape, fake.shape, dynamic):
+            if d:
+                renamed.setdefault(str(size), new)
+        out.append(fake)
+    for i, value in enumerate(examples):
+        if isinstance(value, torch.SymInt):
+            out[i] = n if str(value) == token_symbol else renamed[str(value)]
+    return out, mode
+
+
+@dataclass
+class PieceBuild:
+    """One compiled piece: its Inductor artifacts by size (None: the dynamic compile)."""
+
+    compiled: dict[int | None, object]
+    tokens: tuple[int, int | None] | None
+    returns_tuple: bool
+    graph_key: str = ""
+
+
+def compile_pieces(
+    pieces: list[Piece], token_symbol: str, sizes: tuple[int, ...] = (), progress: bool | None = None
+) -> dict[str, PieceBuild]:
+    """Compile every non-splitting piece (unique graphs once, per size); returns name -> build."""
+    builds: dict[str, PieceBuild] = {}
+    by_key: dict[str, PieceBuild] = {}
+    todo = [p for p in pieces if not p.is_splitting]
+    unique = len({piece_key(normalize(p.graph)) for p in todo})
+    disable = None if progress is None else not progress  # None: show only on a terminal
+    with tqdm(total=unique * (1 + len(sizes)), desc="kiln compile", unit="graph", disable=disable) as bar:
+        for piece in todo:
+            counters["pieces"] += 1
+            graph = normalize(piece.graph)
+            key = piece_key(graph)
+            if key in by_key:
+                counters["pieces_reused"] += 1
+                builds[piece.name] = by_key[key]
+                continue
+            examples = _examples(piece)
+            tokens = _token_location(examples, token_symbol)
+            compiled: dict[int | None, object] = {}
+            for size in (None, *sizes) if tokens is not None else (None,):
+                start = time.perf_counter()
+                if size is None:
+                    inputs, mode = examples, detect_fake_mode(examples)
+                else:
+                    inputs, mode = _static_examples(examples, token_symbol, size)
+                compiled[size] = torch._inductor.standalone_compile(
+                    copy.deepcopy(graph), inputs, dynamic_shapes="from_example_inputs", fake_mode=mode
+                )
+                label = "dynamic" if size is None else f"size {size}"
+                logger.info("compiled %s %s (%s) in %.2fs", piece.name, label, key[:12], time.perf_counter() - start)
+                bar.update()
             counters["pieces_compiled"] += 1
-            logger.info("compiled %s (%s) in %.2fs", piece.name, key[:12], time.perf_counter() - start)
-        else:
-            counters["pieces_reused"] += 1
-        compiled[piece.name] = _callable(by_key[key], _returns_tuple(piece.graph))
-    return compiled
+            by_key[key] = builds[piece.name] = PieceBuild(compiled, tokens, _returns_tuple(piece.graph), key)
+    return builds
 
 
-def install(stitched: fx.GraphModule, compiled: dict[str, Callable]) -> fx.GraphModule:
-    """Swap compiled callables in for the pieces the stitching module calls."""
-    for name, fn in compiled.items():
-        del stitched._modules[name]
-        stitched.__dict__[name] = fn
-    return stitched
+@dataclass
+class CompileResult:
+    path: Path
+    key: str
+    reused: bool
+    timings: dict[str, float] = field(default_factory=dict)
 
 
-def compile_backbone(model: CausalLM) -> CompiledProgram:
-    """Trace, split and compile `model`'s backbone in this process; stage timings go to INFO."""
-    timings = {}
-    start = time.perf_counter()
-    traced = trace_backbone(model)
-    timings["trace"] = time.perf_counter() - start
-    start = time.perf_counter()
-    stitched, pieces = split_graph(traced.graph)
-    timings["split"] = time.perf_counter() - start
-    start = time.perf_counter()
-    compiled = compile_pieces(pieces)
-    timings["compile"] = time.perf_counter() - start
+def _token_symbol(traced: TracedBackbone) -> str:
+    ids = next(i for i, spec in enumerate(traced.inputs) if spec.kind == "input" and spec.name == "input_ids")
+    spec = next(s for s in traced.inputs if s.kind == "size" and s.of == ids and s.dim == 0)
+    return spec.name
+
+
+def _contract(traced: TracedBackbone) -> list[dict]:
+    """The input contract the manifest records: each input's source, and tensors' dtype and shape
+    (None where the dimension is symbolic)."""
+    values = [n.meta["example_value"] for n in traced.graph.graph.nodes if n.op == "placeholder"]
+    contract = []
+    for spec, value in zip(traced.inputs, values):
+        entry = dataclasses.asdict(spec)
+        if isinstance(value, torch.Tensor):
+            entry["dtype"] = str(value.dtype).removeprefix("torch.")
+            entry["shape"] = [s if isinstance(s, int) else None for s in value.shape]
+        contract.append(entry)
+    return contract
+
+
+def _dump(dump_dir: Path, traced: TracedBackbone, stitched: fx.GraphModule, pieces: list[Piece]) -> None:
+    graphs = dump_dir / "graphs"
+    graphs.mkdir(parents=True, exist_ok=True)
+    (graphs / "before_split.py").write_text(traced.graph.code)
+    (graphs / "after_split.py").write_text(stitched.code)
+    for piece in pieces:
+        (graphs / f"{piece.name}.py").write_text(piece.graph.code)
+
+
+def build_artifact(
+    model: CausalLM,
+    compile_config: CompileConfig,
+    cache_dir: Path,
+    dump_dir: Path | None = None,
+    progress: bool | None = None,
+    force: bool = False,
+) -> CompileResult:
+    """Compile `model`'s backbone into `cache_dir/<key>` unless a valid artifact is already there.
+
+    A file lock per key makes concurrent compiles of one model wait for the first and reuse its
+    artifact; the artifact appears in one `os.replace`, so a crash leaves nothing half-written.
+    """
+    factors = key_factors(model.config, model.dtype, compile_config)
+    key = cache_key(factors)
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path = cache_dir / key
+    with FileLock(str(cache_dir / f".{key}.lock")):
+        for debris in cache_dir.glob(f".tmp-{key}-*"):  # left by a compile that was killed mid-save
+            shutil.rmtree(debris, ignore_errors=True)
+        if not force:
+            try:
+                artifact.verify(path)
+                logger.info("artifact %s is present and valid: nothing to compile", path)
+                return CompileResult(path, key, reused=True)
+            except artifact.ArtifactError as e:
+                logger.info("compiling: %s", e)
+        timings: dict[str, float] = {}
+        before = counters.copy()
+        with kernel_store.recording() as kernels:
+            start = time.perf_counter()
+            if dump_dir is not None:
+                import depyf
+
+                with depyf.prepare_debug(str(dump_dir)):
+                    traced = trace_backbone(model)
+            else:
+                traced = trace_backbone(model)
+            timings["trace"] = time.perf_counter() - start
+            timings["passes"] = 0.0  # no graph passes are configured yet
+            start = time.perf_counter()
+            stitched, pieces = split_graph(traced.graph)
+            timings["split"] = time.perf_counter() - start
+            if dump_dir is not None:
+                _dump(Path(dump_dir), traced, stitched, pieces)
+            start = time.perf_counter()
+            builds = compile_pieces(pieces, _token_symbol(traced), compile_config.sizes, progress)
+            timings["compile"] = time.perf_counter() - start
+        start = time.perf_counter()
+        program = stitching_source(stitched, pieces, arg_names(traced.inputs))
+        artifact.save(
+            path,
+            factors=factors,
+            program=program,
+            inputs=_contract(traced),
+            pieces=builds,
+            kernels=kernels,
+            info={"timings": timings, "counters": dict(counters - before), "architecture": model.config.architecture},
+        )
+        timings["save"] = time.perf_counter() - start
     logger.info("compile stages: %s", ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
-    return CompiledProgram(install(stitched, compiled), traced.inputs, model)
+    return CompileResult(path, key, reused=False, timings=timings)

@@ -6,7 +6,7 @@ same arguments as `CausalLM.forward` without Dynamo.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -24,6 +24,50 @@ class GraphInput:
     name: str
     of: int | None = None
     dim: int | None = None
+
+    @property
+    def arg_name(self) -> str:
+        """A readable Python identifier for this input in the stitching code."""
+        if self.kind == "weight":
+            return "w_" + self.name.replace(".", "_")
+        return f"kv_cache_{self.name}" if self.kind == "kv_cache" else self.name
+
+
+def arg_names(inputs: list[GraphInput]) -> list[str]:
+    names: list[str] = []
+    for i, spec in enumerate(inputs):
+        name = spec.arg_name
+        names.append(f"{name}_{i}" if name in names else name)
+    return names
+
+
+@dataclass
+class SizedPiece:
+    """A compiled piece in its size variants: the static compile for the exact token count if there
+    is one, else the dynamic one. `tokens` locates the token count among the arguments: (index, None)
+    for an int argument, (index, dim) for a tensor's dimension."""
+
+    dynamic: Callable
+    tokens: tuple[int, int | None] | None = None
+    static: dict[int, Callable] = field(default_factory=dict)
+    returns_tuple: bool = True
+
+    def __call__(self, *args):
+        fn = self.dynamic
+        if self.static and self.tokens is not None:
+            i, dim = self.tokens
+            fn = self.static.get(args[i] if dim is None else args[i].shape[dim], fn)
+        out = fn(*args)
+        if self.returns_tuple:
+            return tuple(out)
+        return out[0] if isinstance(out, (list, tuple)) else out
+
+
+def load_program(source: str, filename: str, pieces: dict[str, Callable]) -> Callable:
+    """Execute the stitching code of `kiln compile` and bind its compiled pieces."""
+    namespace: dict = {"__name__": "kiln_program"}
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace["Program"](pieces).forward
 
 
 class CompiledProgram:

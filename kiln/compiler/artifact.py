@@ -1,0 +1,252 @@
+"""The artifact format (DESIGN.md section 6): write one, check one, load one.
+
+```
+<cache>/<key>/
+  manifest.json    format, versions, system, key factors, input contract, pieces, kernels, timings
+  program.py       the stitching code (plain Python calling pieces and attention in order)
+  blobs/<sha256>   one per unique compiled piece and size (Inductor's serialized output)
+  kernels/<k>.so   the built C++ kernels those pieces call, named by the content of their source
+```
+
+Loading runs neither Dynamo nor a C++ compiler; this module is what the runtime may import.
+"""
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import kiln
+from kiln.compiler import kernel_store
+from kiln.compiler.counters import counters
+from kiln.compiler.key import system_info
+from kiln.compiler.program import CompiledProgram, GraphInput, SizedPiece, load_program
+from kiln.errors import KilnError
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+PROGRAM = "program.py"
+RECOMPILE = "run `kiln compile` again"
+
+
+class ArtifactError(KilnError):
+    """An artifact is missing, from another build, or damaged; the message names which and the fix."""
+
+
+class ArtifactMissing(ArtifactError):
+    """No artifact under this key yet (the common, unalarming case)."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _torch_build() -> str:
+    from torch._inductor.codecache import torch_key
+
+    return torch_key().hex()
+
+
+def _write_file(path: Path, data: bytes) -> str:
+    path.write_bytes(data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def save(
+    path: Path,
+    *,
+    factors: dict,
+    program: str,
+    inputs: list[dict],
+    pieces: dict,
+    kernels: dict[str, Path],
+    info: dict,
+) -> None:
+    """Write the artifact into a temporary sibling of `path`, then move it into place in one step.
+
+    `pieces` maps piece name -> an object with `compiled` ({size or None: Inductor artifact}),
+    `tokens` and `returns_tuple`; `kernels` maps content key -> built library.
+    """
+    path = Path(path)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
+    try:
+        (tmp / "blobs").mkdir()
+        (tmp / "kernels").mkdir()
+        blob_of: dict[int, dict] = {}  # id(Inductor artifact) -> blob entry; identical pieces share
+        entries = {}
+        for name, build in pieces.items():
+            sizes = {}
+            for size, compiled in build.compiled.items():
+                if id(compiled) not in blob_of:
+                    staged = tmp / "blobs" / "staged"
+                    compiled.save(path=str(staged), format="binary")
+                    digest = _sha256(staged)
+                    os.replace(staged, tmp / "blobs" / digest)
+                    blob_of[id(compiled)] = {"sha256": digest, "bytes": (tmp / "blobs" / digest).stat().st_size}
+                    counters["blobs_saved"] += 1
+                sizes["dynamic" if size is None else str(size)] = blob_of[id(compiled)]
+            entries[name] = {"sizes": sizes, "tokens": build.tokens, "returns_tuple": build.returns_tuple}
+        kernel_entries = {}
+        for key, built in sorted(kernels.items()):
+            shutil.copyfile(built, tmp / "kernels" / f"{key}.so")
+            kernel_entries[key] = {"sha256": _sha256(tmp / "kernels" / f"{key}.so"), "bytes": built.stat().st_size}
+        manifest = {
+            "format": FORMAT_VERSION,
+            "key": path.name,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "kiln": kiln.__version__,
+            "torch": torch.__version__,
+            "torch_build": _torch_build(),
+            "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+            "platform": platform.platform(),
+            "system": factors["system"],
+            "factors": factors,
+            "inputs": inputs,
+            "program": {"sha256": _write_file(tmp / PROGRAM, program.encode())},
+            "pieces": entries,
+            "kernels": kernel_entries,
+            **info,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        if path.exists():  # a broken artifact under this key: move it aside, then drop it
+            stale = Path(tempfile.mkdtemp(prefix=f".stale-{path.name}-", dir=path.parent))
+            os.replace(path, stale / "old")
+            shutil.rmtree(stale, ignore_errors=True)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("saved artifact %s (%d blobs, %d kernels)", path, len(blob_of), len(kernel_entries))
+
+
+def read_manifest(path: Path) -> dict:
+    path = Path(path)
+    if not (path / MANIFEST).is_file():
+        raise ArtifactMissing(f"no artifact at {path}: run `kiln compile MODEL_DIR` to build it")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"artifact manifest {path / MANIFEST} is unreadable ({e}): {RECOMPILE}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise ArtifactError(f"artifact {path} has format {found}, this kiln reads format {FORMAT_VERSION}: {RECOMPILE}")
+    return manifest
+
+
+def _check_file(path: Path, entry: dict, what: str) -> None:
+    if not path.is_file():
+        raise ArtifactError(f"artifact {what} {path} is missing: {RECOMPILE}")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise ArtifactError(f"artifact {what} {path} is truncated or altered ({size} bytes, expected "
+                            f"{entry['bytes']}): {RECOMPILE}")
+    if _sha256(path) != entry["sha256"]:
+        raise ArtifactError(f"artifact {what} {path} is corrupt (sha256 mismatch): {RECOMPILE}")
+
+
+def verify(path: Path) -> dict:
+    """Check that the artifact at `path` can be loaded here: format, versions, system, and every
+    file's size and sha256. Returns the manifest; raises ArtifactError naming the first problem."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    try:
+        python = f"{sys.version_info.major}.{sys.version_info.minor}"
+        if manifest["torch"] != torch.__version__:
+            raise ArtifactError(f"artifact built with torch {manifest['torch']}, this is {torch.__version__}: "
+                                f"{RECOMPILE}")
+        if manifest["torch_build"] != _torch_build():
+            raise ArtifactError(f"artifact built with another build of torch {torch.__version__} (its sources "
+                                f"differ): {RECOMPILE}")
+        if manifest["python"] != python:
+            raise ArtifactError(f"artifact built for Python {manifest['python']}, this is {python}: {RECOMPILE}")
+        here = system_info(manifest["system"]["device"])
+        if manifest["system"] != here:
+            raise ArtifactError(f"artifact built for {manifest['system']}, this machine is {here}: run "
+                                "`kiln compile` on a machine like this one")
+        program = manifest["program"]
+        if _sha256(path / PROGRAM) != program["sha256"]:
+            raise ArtifactError(f"artifact program {path / PROGRAM} was modified (sha256 mismatch): {RECOMPILE}")
+        for entry in {e["sha256"]: e for p in manifest["pieces"].values() for e in p["sizes"].values()}.values():
+            _check_file(path / "blobs" / entry["sha256"], entry, "blob")
+        for key, entry in manifest["kernels"].items():
+            _check_file(path / "kernels" / f"{key}.so", entry, "kernel")
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ArtifactError(f"artifact manifest {path / MANIFEST} lacks or mangles {e}: {RECOMPILE}") from None
+    except FileNotFoundError as e:
+        raise ArtifactError(f"artifact file {e.filename} is missing: {RECOMPILE}") from None
+    return manifest
+
+
+def _load_blob(path: Path) -> Callable:
+    from torch._inductor import CompiledArtifact
+
+    try:
+        return CompiledArtifact.load(path=str(path), format="binary")
+    except KilnError:
+        raise
+    except Exception as e:  # a blob that passed its checksum but torch cannot read
+        raise ArtifactError(f"artifact blob {path} does not load ({type(e).__name__}: {e}): {RECOMPILE}") from e
+
+
+def load(path: Path, model: nn.Module) -> CompiledProgram:
+    """Load the artifact at `path` and bind it to `model`'s weights; no tracing, no compiling."""
+    start = time.perf_counter()
+    path = Path(path)
+    manifest = verify(path)
+    blobs: dict[str, Callable] = {}
+    with kernel_store.serving(path / "kernels"), _quiet_inductor():
+        for sha in sorted({e["sha256"] for p in manifest["pieces"].values() for e in p["sizes"].values()}):
+            blobs[sha] = _load_blob(path / "blobs" / sha)
+            counters["blobs_loaded"] += 1
+    pieces = {}
+    for name, entry in manifest["pieces"].items():
+        sizes = entry["sizes"]
+        pieces[name] = SizedPiece(
+            dynamic=blobs[sizes["dynamic"]["sha256"]],
+            tokens=tuple(entry["tokens"]) if entry["tokens"] is not None else None,
+            static={int(s): blobs[e["sha256"]] for s, e in sizes.items() if s != "dynamic"},
+            returns_tuple=entry["returns_tuple"],
+        )
+    forward = load_program((path / PROGRAM).read_text(), str(path / PROGRAM), pieces)
+    inputs = [GraphInput(e["kind"], e["name"], e.get("of"), e.get("dim")) for e in manifest["inputs"]]
+    _check_weights(manifest["inputs"], model)
+    logger.info("loaded artifact %s: %d blobs in %.2fs", path.name, len(blobs), time.perf_counter() - start)
+    return CompiledProgram(forward, inputs, model)
+
+
+def _check_weights(contract: list[dict], model: nn.Module) -> None:
+    weights = dict(model.named_parameters()) | dict(model.named_buffers())
+    for entry in contract:
+        if entry["kind"] != "weight":
+            continue
+        w = weights.get(entry["name"])
+        if w is None or list(w.shape) != entry["shape"] or str(w.dtype).removeprefix("torch.") != entry["dtype"]:
+            found = "absent" if w is None else f"{list(w.shape)} {w.dtype}"
+            raise ArtifactError(f"artifact expects weight {entry['name']} {entry['shape']} {entry['dtype']}, the "
+                                f"model has {found}: the artifact was built for another model; {RECOMPILE}")
+
+
+@contextlib.contextmanager
+def _quiet_inductor():
+    """Inductor's loader may look for compile workers; a load needs none."""
+    from torch._inductor import config
+
+    with config.patch(compile_threads=1):
+        yield

@@ -1,0 +1,69 @@
+"""The artifact cache key: a hash of everything that changes compiled code, and nothing else.
+
+Weights are not in it (one artifact serves every checkpoint of the same shapes); the manifest keeps
+the factors themselves so two keys can be explained.
+"""
+
+import dataclasses
+import hashlib
+import json
+import platform
+import sys
+from functools import cache
+from pathlib import Path
+
+import torch
+
+import kiln
+from kiln.config import CompileConfig
+from kiln.models.config import ModelConfig
+
+# The parts of kiln whose source shapes the traced graph or its compilation.
+SOURCE_PARTS = ("kernels", "models", "compiler", "passes", "config.py")
+# ModelConfig fields that do not reach the graph.
+NOT_IN_GRAPH = ("eos_token_ids",)
+
+
+@cache
+def kiln_source_hash() -> str:
+    """sha256 over the kiln sources that shape compiled code (editing a pass or a kernel rekeys)."""
+    root = Path(kiln.__file__).parent
+    h = hashlib.sha256()
+    for part in SOURCE_PARTS:
+        path = root / part
+        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path] if path.is_file() else []:
+            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def system_info(device: str = "cpu") -> dict:
+    """What the compiled kernels were built for; read without a compiler (torch's own CPU probe)."""
+    info = {"device": device, "machine": platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    if device.startswith("cuda"):
+        major, minor = torch.cuda.get_device_capability(torch.device(device))
+        info["gpu_arch"] = f"sm_{major}{minor}"
+    return info
+
+
+def key_factors(
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    compile_config: CompileConfig,
+    pass_uuids: dict[str, str] | None = None,
+    device: str = "cpu",
+) -> dict:
+    model = {k: v for k, v in dataclasses.asdict(model_config).items() if k not in NOT_IN_GRAPH}
+    return {
+        "model": model,
+        "dtype": str(dtype).removeprefix("torch."),
+        "compile": dataclasses.asdict(compile_config),
+        "passes": dict(pass_uuids or {}),
+        "kiln_source": kiln_source_hash(),
+        "torch": torch.__version__,
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "system": system_info(device),
+    }
+
+
+def cache_key(factors: dict) -> str:
+    return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:32]
