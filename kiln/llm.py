@@ -51,6 +51,8 @@ class LLM:
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         engine_config = EngineConfig(**engine_options)
         forward = None
+        self.artifact_path: Path | None = None
+        """The compiled artifact this LLM runs (compile=True only)."""
         if compile:
             compile_config = compile_config or CompileConfig()
             if engine_config.max_num_batched_tokens > compile_config.max_num_tokens:
@@ -65,7 +67,8 @@ class LLM:
 
     def _compiled(self, cache_dir: Path, compile_config: CompileConfig, require_artifact: bool):
         """Load the artifact for this model and config; compile it first if it is absent or broken."""
-        path = cache_dir / cache_key(key_factors(self.model.config, self.model.dtype, compile_config))
+        key = cache_key(key_factors(self.model.config, self.model.dtype, compile_config))
+        path = self.artifact_path = cache_dir / key
         try:
             return artifact.load(path, self.model)
         except artifact.ArtifactError as e:

@@ -20,3 +20,17 @@ def hf_models(demo_dirs) -> dict:
     return {
         arch: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for arch, d in demo_dirs.items()
     }
+
+
+@pytest.fixture(scope="session")
+def kiln_cache(tmp_path_factory):
+    """One artifact cache for the test run: each tiny model is compiled once and shared."""
+    return tmp_path_factory.mktemp("kiln_cache")
+
+
+@pytest.fixture(scope="session")
+def llama_artifact(demo_dirs, kiln_cache):
+    """The demo llama's artifact (compiled on first use)."""
+    from kiln import LLM
+
+    return LLM(demo_dirs["llama"], compile=True, cache_dir=kiln_cache).artifact_path

@@ -1,0 +1,298 @@
+"""The artifact: served with no compiler reachable, checked on load, written atomically, keyed right."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln import LLM, KilnError, SamplingParams
+from kiln.cli import main
+from kiln.compiler import artifact
+from kiln.compiler.counters import counters
+from kiln.compiler.key import cache_key, key_factors
+from kiln.config import CompileConfig
+from kiln.models.config import ModelConfig
+from tests.oracle import PROMPTS
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bare_env(tmp_path: Path, **extra) -> dict:
+    """An environment with no C++ compiler anywhere: PATH is an empty directory (python is run by
+    absolute path), CXX/CC are /bin/false, and Inductor's cache and temp dirs are empty."""
+    bin_dir = tmp_path / "bin"
+    for d in ("bin", "inductor", "tmp"):
+        (tmp_path / d).mkdir(exist_ok=True)
+    return {
+        "HOME": str(tmp_path),
+        "PATH": str(bin_dir),
+        "CXX": "/bin/false",
+        "CC": "/bin/false",
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+        "TMPDIR": str(tmp_path / "tmp"),
+        "PYTHONPATH": str(REPO),
+        **extra,
+    }
+
+
+SERVE_FROM_ARTIFACT = """
+import json, sys
+import torch._dynamo.utils
+from kiln import LLM, SamplingParams
+from kiln.compiler.counters import counters
+llm = LLM(sys.argv[1], compile=True, cache_dir=sys.argv[2], require_artifact=True)
+outs = llm.generate(json.loads(sys.argv[3]), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0))
+print(json.dumps({
+    "token_ids": [o.token_ids for o in outs],
+    "logprobs": [o.logprobs for o in outs],
+    "dynamo_frames": dict(torch._dynamo.utils.counters["frames"]),
+    "inductor": dict(torch._dynamo.utils.counters["inductor"]),
+    "kiln": dict(counters),
+    "compiler_modules": sorted(m for m in sys.modules if m.startswith("kiln.compiler")),
+}))
+"""
+
+
+def test_serves_from_artifact_with_no_compiler(tmp_path, demo_dirs, kiln_cache, llama_artifact):
+    assert shutil.which("g++") or shutil.which("c++")  # the host has one: hiding it is what this test proves
+    env = _bare_env(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", SERVE_FROM_ARTIFACT, str(demo_dirs["llama"]), str(kiln_cache), json.dumps(PROMPTS)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["dynamo_frames"] == {}  # Dynamo traced nothing
+    assert got["inductor"].get("fxgraph_cache_miss", 0) == 0  # Inductor compiled nothing
+    assert got["kiln"] == {"blobs_loaded": 3}
+    assert "kiln.compiler.trace" not in got["compiler_modules"] and "kiln.compiler.compile" not in got["compiler_modules"]
+    assert not list((tmp_path / "tmp").iterdir())  # nothing was built in a temp dir
+    eager = LLM(demo_dirs["llama"]).generate(PROMPTS, GREEDY)
+    for ids, logprobs, e in zip(got["token_ids"], got["logprobs"], eager):
+        assert ids == e.token_ids
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(e.logprobs), atol=1e-4, rtol=0)
+
+
+def _blob(path: Path) -> Path:
+    return next((path / "blobs").iterdir())
+
+
+def _truncate(path: Path) -> None:
+    blob = _blob(path)
+    blob.write_bytes(blob.read_bytes()[:-100])
+
+
+def _flip(path: Path) -> None:
+    blob = _blob(path)
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+
+
+def _delete(path: Path) -> None:
+    _blob(path).unlink()
+
+
+def _other_torch(path: Path) -> None:
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["torch"] = "2.11.0+cu128"
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _bad_kernel(path: Path) -> None:
+    kernel = next((path / "kernels").iterdir())
+    kernel.write_bytes(b"\0" * kernel.stat().st_size)
+
+
+DAMAGE = {
+    "truncated blob": (_truncate, r"artifact blob \S+ is truncated or altered"),
+    "flipped byte": (_flip, r"artifact blob \S+ is corrupt \(sha256 mismatch\)"),
+    "deleted blob": (_delete, r"artifact blob \S+ is missing"),
+    "other torch": (_other_torch, r"artifact built with torch 2\.11\.0\+cu128, this is"),
+    "damaged kernel": (_bad_kernel, r"artifact kernel \S+ is corrupt"),
+}
+
+
+def _copy(llama_artifact: Path, tmp_path: Path) -> Path:
+    cache = tmp_path / "cache"
+    shutil.copytree(llama_artifact, cache / llama_artifact.name)
+    return cache
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_artifact_names_its_cause(tmp_path, demo_dirs, llama_artifact, damage, capsys):
+    cache = _copy(llama_artifact, tmp_path)
+    hurt, message = DAMAGE[damage]
+    hurt(cache / llama_artifact.name)
+    with pytest.raises(artifact.ArtifactError, match="run `kiln compile` again") as err:
+        LLM(demo_dirs["llama"], compile=True, cache_dir=cache, require_artifact=True)
+    assert re.search(message, str(err.value))
+    assert not any(re.search(m, str(err.value)) for d, (_, m) in DAMAGE.items() if d != damage)  # one cause each
+    argv = ["generate", str(demo_dirs["llama"]), "--prompt", "x", "--require-artifact", "--cache-dir", str(cache)]
+    assert main(argv) == 1
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_damaged_artifact_is_recompiled_by_default(tmp_path, demo_dirs, llama_artifact, caplog):
+    cache = _copy(llama_artifact, tmp_path)
+    _flip(cache / llama_artifact.name)
+    counters.clear()
+    llm = LLM(demo_dirs["llama"], compile=True, cache_dir=cache)
+    assert "is corrupt" in caplog.text and counters["graphs_traced"] == 1
+    artifact.verify(cache / llama_artifact.name)  # repaired in place
+    assert llm.generate(["The kiln"], GREEDY)[0].token_ids == LLM(demo_dirs["llama"]).generate(
+        ["The kiln"], GREEDY
+    )[0].token_ids
+
+
+def test_missing_artifact_with_require_artifact_fails(tmp_path, demo_dirs):
+    with pytest.raises(artifact.ArtifactMissing, match="run `kiln compile MODEL_DIR`"):
+        LLM(demo_dirs["llama"], compile=True, cache_dir=tmp_path, require_artifact=True)
+
+
+def test_concurrent_compiles_leave_one_artifact(tmp_path, demo_dirs):
+    cache = tmp_path / "cache"
+    cmd = [sys.executable, "-m", "kiln", "compile", str(demo_dirs["qwen2"]), "--cache-dir", str(cache), "-q"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    results = [(p.wait(timeout=600), p.stdout.read(), p.stderr.read()) for p in procs]
+    assert all(rc == 0 for rc, _, _ in results), [err[-2000:] for _, _, err in results]
+    paths = {out.strip().splitlines()[-1] for _, out, _ in results}
+    assert len(paths) == 1
+    assert sum("already present" in out for _, out, _ in results) == 3  # one compiled, three waited and reused
+    assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == [Path(paths.pop()).name]
+
+
+KILLED_IN_SAVE = """
+import sys, time
+from pathlib import Path
+from kiln.compiler import artifact
+write = artifact._write_file
+def stall(path, data):
+    digest = write(path, data)
+    Path(sys.argv[2]).touch()
+    time.sleep(600)
+    return digest
+artifact._write_file = stall
+from kiln.cli import main
+main(["compile", sys.argv[1], "--cache-dir", sys.argv[3], "-q"])
+"""
+
+
+def test_sigkill_mid_save_leaves_no_artifact(tmp_path, demo_dirs):
+    cache, marker = tmp_path / "cache", tmp_path / "saving"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_IN_SAVE, str(demo_dirs["llama"]), str(marker), str(cache)])
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        assert any(p.name.startswith(".tmp-") for p in cache.iterdir())  # killed with a half-written artifact
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    key_dirs = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    assert key_dirs == []
+    assert main(["compile", str(demo_dirs["llama"]), "--cache-dir", str(cache), "-q"]) == 0
+    assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == [
+        p.name for p in cache.iterdir() if not p.name.startswith(".")
+    ]  # the next compile cleaned up the debris
+    (artifact_dir,) = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    artifact.verify(artifact_dir)
+
+
+def _key(model_dir, dtype=torch.float32, **compile_options) -> str:
+    return cache_key(key_factors(ModelConfig.from_model_dir(model_dir), dtype, CompileConfig(**compile_options)))
+
+
+def test_key_covers_what_changes_code_and_not_weights(tmp_path, demo_dirs):
+    from kiln.models.demo import write_demo_model
+
+    base = _key(demo_dirs["llama"])
+    assert _key(write_demo_model(tmp_path / "reseeded", arch="llama", seed=7)) == base  # other weights, same key
+    assert _key(write_demo_model(tmp_path / "deeper", arch="llama", num_layers=5)) != base
+    assert _key(demo_dirs["llama"], dtype=torch.bfloat16) != base
+    assert _key(demo_dirs["llama"], sizes=(1, 2)) != base
+    assert _key(demo_dirs["llama"], max_num_tokens=512) != base
+    assert len({base, *(_key(demo_dirs[a]) for a in ("mistral", "qwen2", "qwen3"))}) == 4
+
+
+def test_manifest_records_factors_contract_and_timings(llama_artifact):
+    manifest = json.loads((llama_artifact / "manifest.json").read_text())
+    assert manifest["key"] == llama_artifact.name == cache_key(manifest["factors"])
+    assert manifest["factors"]["model"]["num_layers"] == 4 and manifest["factors"]["dtype"] == "float32"
+    assert manifest["system"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert set(manifest["timings"]) == {"trace", "passes", "split", "compile"}
+    assert len(manifest["pieces"]) == 5 and len({p["sizes"]["dynamic"]["sha256"] for p in manifest["pieces"].values()}) == 3
+    assert {e["kind"] for e in manifest["inputs"]} == {"weight", "input", "meta", "kv_cache", "size"}
+    kv = next(e for e in manifest["inputs"] if e["kind"] == "kv_cache")
+    assert kv["shape"][1] is None and kv["shape"][0] == 2  # the block count is the symbolic dimension
+    blobs = {p.name: p.stat().st_size for p in (llama_artifact / "blobs").iterdir()}
+    assert {e["sha256"]: e["bytes"] for p in manifest["pieces"].values() for e in p["sizes"].values()} == blobs
+    assert len(list((llama_artifact / "kernels").iterdir())) == len(manifest["kernels"]) >= 1
+    program = (llama_artifact / "program.py").read_text()
+    assert program.count("torch.ops.kiln.attention") == 4 and "self.submod_8(" in program
+
+
+def test_static_sizes_are_used_for_their_token_count(tmp_path, demo_dirs, kiln_cache):
+    llm = LLM(demo_dirs["llama"], compile=True, cache_dir=kiln_cache, compile_config=CompileConfig(sizes=(1,)))
+    pieces = [p for p in llm.engine.runner.forward.graph.__self__.__dict__.values() if hasattr(p, "static")]
+    assert len(pieces) == 5 and all(set(p.static) == {1} for p in pieces)
+    calls = {"static": 0}
+    for piece in pieces:
+        fn = piece.static[1]
+        piece.static[1] = lambda *a, fn=fn: calls.__setitem__("static", calls["static"] + 1) or fn(*a)
+    out = llm.generate(["The kiln was"], GREEDY)[0]  # one prompt: every decode step has one token
+    assert calls["static"] == 5 * (GREEDY.max_tokens - 1)
+    assert out.token_ids == LLM(demo_dirs["llama"]).generate(["The kiln was"], GREEDY)[0].token_ids
+
+
+def test_compile_cli_prints_stages_and_dumps(tmp_path, demo_dirs, capsys):
+    dump = tmp_path / "dump"
+    argv = ["compile", str(demo_dirs["qwen3"]), "--cache-dir", str(tmp_path / "c"), "--dump-dir", str(dump), "-q"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for stage in ("trace", "passes", "split", "compile", "save", "total"):
+        assert any(line.split()[:1] == [stage] for line in out.splitlines())
+    path = Path(out.strip().splitlines()[-1])
+    artifact.verify(path)
+    assert (dump / "graphs" / "before_split.py").is_file() and (dump / "graphs" / "after_split.py").is_file()
+    assert len(list((dump / "graphs").glob("submod_*.py"))) == 9
+    assert list(dump.glob("full_code_for_*.py"))  # depyf's decompiled bytecode
+    assert main(argv[:-3] + ["-q"]) == 0 and "already present" in capsys.readouterr().out
+
+
+def test_compile_cli_rejects_bad_input(tmp_path, capsys):
+    assert main(["compile", str(tmp_path / "nope")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["compile", str(tmp_path), "--sizes", "1,x"])
+    assert "comma-separated" in capsys.readouterr().err
+
+
+def test_batch_budget_above_compiled_max_is_refused(demo_dirs, kiln_cache):
+    with pytest.raises(KilnError, match="exceeds the compiled max_num_tokens 2048"):
+        LLM(demo_dirs["llama"], compile=True, cache_dir=kiln_cache, max_num_batched_tokens=4096)
+
+
+def test_default_cache_dir_follows_kiln_cache(monkeypatch, tmp_path):
+    from kiln.config import default_cache_dir
+
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path / "k"))
+    assert default_cache_dir() == tmp_path / "k"
+    monkeypatch.delenv("KILN_CACHE")
+    assert default_cache_dir() == Path.home() / ".cache" / "kiln"
+
+
+def test_runtime_never_imports_the_tracing_path():
+    code = "import sys, kiln.compiler.artifact, kiln.llm; print(sorted(m for m in sys.modules if m.startswith('kiln.compiler')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=os.environ).stdout
+    assert "kiln.compiler.trace" not in out and "kiln.compiler.compile" not in out
