@@ -42,7 +42,7 @@ def _cmd_compile(args: argparse.Namespace) -> None:
         _compile_config(args),
         Path(args.cache_dir or default_cache_dir()),
         dump_dir=Path(args.dump_dir) if args.dump_dir else None,
-        progress=not args.quiet,
+        progress=False if args.quiet else None,  # None: a bar on terminals only
         force=args.force,
     )
     if result.reused:

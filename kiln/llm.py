@@ -4,7 +4,6 @@ import logging
 import time
 from pathlib import Path
 
-from kiln.compiler import artifact
 from kiln.compiler.key import cache_key, key_factors
 from kiln.config import CompileConfig, EngineConfig, default_cache_dir, parse_dtype
 from kiln.errors import KilnError
@@ -67,6 +66,8 @@ class LLM:
 
     def _compiled(self, cache_dir: Path, compile_config: CompileConfig, require_artifact: bool):
         """Load the artifact for this model and config; compile it first if it is absent or broken."""
+        from kiln.compiler import artifact  # imports Inductor's loader (~1.5 s): only when compiling
+
         key = cache_key(key_factors(self.model.config, self.model.dtype, compile_config))
         path = self.artifact_path = cache_dir / key
         try:

@@ -10,6 +10,7 @@ import hashlib
 import logging
 import shutil
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -219,7 +220,8 @@ def build_artifact(
             if dump_dir is not None:
                 import depyf
 
-                with depyf.prepare_debug(str(dump_dir)):
+                with warnings.catch_warnings(), depyf.prepare_debug(str(dump_dir)):
+                    warnings.simplefilter("ignore", UserWarning)  # depyf's hints for interactive debugging
                     traced = trace_backbone(model)
             else:
                 traced = trace_backbone(model)

@@ -3,4 +3,4 @@
 from collections import Counter
 
 counters: Counter[str] = Counter()
-"""Keys: graphs_traced, pieces, pieces_compiled (unique), pieces_reused."""
+"""Keys: graphs_traced, pieces, pieces_compiled (unique), pieces_reused, blobs_saved, blobs_loaded."""

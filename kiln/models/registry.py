@@ -1,6 +1,10 @@
 """Which kiln model class implements each Hugging Face `architectures` entry, and how to build one."""
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+from torch import nn
 
 from kiln.models.config import ARCHITECTURES, ModelConfig
 from kiln.models.llama import CausalLM
@@ -8,9 +12,23 @@ from kiln.models.llama import CausalLM
 MODEL_CLASSES: dict[str, type[CausalLM]] = {arch: CausalLM for arch in ARCHITECTURES}
 
 
+@contextlib.contextmanager
+def _skip_random_init() -> Iterator[None]:
+    """The loader overwrites every weight, so torch's random init is wasted work; on meta tensors it
+    also routes through torch._refs, whose first call imports Dynamo (~1.5 s of an eager start)."""
+    saved = [(cls, cls.reset_parameters) for cls in (nn.Linear, nn.Embedding)]
+    for cls, _ in saved:
+        cls.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        for cls, reset in saved:
+            cls.reset_parameters = reset
+
+
 def create_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu") -> CausalLM:
     """Build a model with uninitialized weights (no random init: the loader overwrites them)."""
-    with torch.device("meta"):
+    with torch.device("meta"), _skip_random_init():
         model = MODEL_CLASSES[cfg.architecture](cfg, dtype)
     model.to_empty(device=device)
     model.init_buffers()

@@ -296,3 +296,12 @@ def test_runtime_never_imports_the_tracing_path():
     code = "import sys, kiln.compiler.artifact, kiln.llm; print(sorted(m for m in sys.modules if m.startswith('kiln.compiler')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=os.environ).stdout
     assert "kiln.compiler.trace" not in out and "kiln.compiler.compile" not in out
+
+
+def test_generate_cli_runs_the_artifact(demo_dirs, kiln_cache, llama_artifact, capsys):
+    argv = ["generate", str(demo_dirs["llama"]), "--prompt", "The kiln was", "--max-tokens", "8", "--cache-dir",
+            str(kiln_cache), "--require-artifact"]
+    assert main(argv) == 0
+    compiled = capsys.readouterr().out
+    assert main(argv[:-1]) == 0  # eager
+    assert capsys.readouterr().out == compiled and compiled.startswith("The kiln was")
