@@ -220,9 +220,10 @@ def build_artifact(
             if dump_dir is not None:
                 import depyf
 
-                with warnings.catch_warnings(), depyf.prepare_debug(str(dump_dir)):
+                with warnings.catch_warnings():
                     warnings.simplefilter("ignore", UserWarning)  # depyf's hints for interactive debugging
-                    traced = trace_backbone(model)
+                    with depyf.prepare_debug(str(dump_dir)):
+                        traced = trace_backbone(model)
             else:
                 traced = trace_backbone(model)
             timings["trace"] = time.perf_counter() - start
