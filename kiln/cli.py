@@ -37,6 +37,10 @@ def _cmd_compile(args: argparse.Namespace) -> None:
         raise KilnError(f"model directory {args.model_dir} does not exist")
     # Compiling needs shapes and dtypes only: the weights stay uninitialized and are never read.
     model = create_model(ModelConfig.from_model_dir(Path(args.model_dir)), parse_dtype(args.dtype))
+    if args.quantization:
+        from kiln.models.quantization import quantize_model
+
+        quantize_model(model, args.quantization)
     result = build_artifact(
         model,
         _compile_config(args),
@@ -66,6 +70,7 @@ def _cmd_generate(args: argparse.Namespace) -> None:
         cache_dir=args.cache_dir,
         require_artifact=args.require_artifact,
         compile_config=_compile_config(args),
+        quantization=args.quantization,
         max_num_batched_tokens=args.max_num_tokens,
     )
     params = SamplingParams(
@@ -92,6 +97,8 @@ def _add_compile_options(parser: argparse.ArgumentParser) -> None:
                         "~/.cache/kiln)")
     parser.add_argument("--max-num-tokens", type=int, default=2048, metavar="N", help="largest batch in tokens "
                         "the compiled pieces serve (default 2048)")
+    parser.add_argument("--quantization", choices=["int8", "fp8"], help="W8A8: weights per channel, "
+                        "activations per token (default: none)")
     parser.add_argument("--sizes", type=_sizes, default=(), metavar="N,N,...", help="token counts that also get "
                         "a static-shape compile, e.g. 1,2,4,8 (default: none)")
 

@@ -9,6 +9,7 @@ from kiln.config import CompileConfig, EngineConfig, default_cache_dir, parse_dt
 from kiln.errors import KilnError
 from kiln.models.config import ModelConfig
 from kiln.models.loader import load_weights
+from kiln.models.quantization import check_scheme, quantize_model
 from kiln.models.registry import create_model
 from kiln.runtime.engine import Engine, RequestOutput
 from kiln.runtime.sampler import SamplingParams
@@ -22,7 +23,9 @@ class LLM:
 
     `compile=True` runs the backbone from kiln's compiled artifact in `cache_dir` (default
     `$KILN_CACHE` or ~/.cache/kiln), compiling it first if it is absent or unusable; with
-    `require_artifact=True` a missing or broken artifact is an error instead.
+    `require_artifact=True` a missing or broken artifact is an error instead. `quantization="int8"`
+    or `"fp8"` quantizes the decoder's projections (W8A8, per-channel weights, per-token activations)
+    after loading.
 
     >>> llm = LLM("path/to/model")
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))[0].text
@@ -38,6 +41,7 @@ class LLM:
         cache_dir: str | Path | None = None,
         require_artifact: bool = False,
         compile_config: CompileConfig | None = None,
+        quantization: str | None = None,
         **engine_options,
     ):
         start = time.perf_counter()
@@ -47,6 +51,8 @@ class LLM:
         self.model_config = ModelConfig.from_model_dir(model_dir)
         self.model = create_model(self.model_config, parse_dtype(dtype), device)
         load_weights(self.model, model_dir)
+        if check_scheme(quantization):
+            quantize_model(self.model, quantization)
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         engine_config = EngineConfig(**engine_options)
         forward = None
@@ -68,7 +74,8 @@ class LLM:
         """Load the artifact for this model and config; compile it first if it is absent or broken."""
         from kiln.compiler import artifact  # imports Inductor's loader (~1.5 s): only when compiling
 
-        key = cache_key(key_factors(self.model.config, self.model.dtype, compile_config))
+        quantization = getattr(self.model, "quantization", None)
+        key = cache_key(key_factors(self.model.config, self.model.dtype, compile_config, quantization))
         path = self.artifact_path = cache_dir / key
         try:
             return artifact.load(path, self.model)

@@ -198,7 +198,7 @@ def build_artifact(
     A file lock per key makes concurrent compiles of one model wait for the first and reuse its
     artifact; the artifact appears in one `os.replace`, so a crash leaves nothing half-written.
     """
-    factors = key_factors(model.config, model.dtype, compile_config)
+    factors = key_factors(model.config, model.dtype, compile_config, getattr(model, "quantization", None))
     key = cache_key(factors)
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,7 @@ def key_factors(
     model_config: ModelConfig,
     dtype: torch.dtype,
     compile_config: CompileConfig,
+    quantization: str | None = None,
     pass_uuids: dict[str, str] | None = None,
     device: str = "cpu",
 ) -> dict:
@@ -56,6 +57,7 @@ def key_factors(
     return {
         "model": model,
         "dtype": str(dtype).removeprefix("torch."),
+        "quantization": quantization,
         "compile": dataclasses.asdict(compile_config),
         "passes": dict(pass_uuids or {}),
         "kiln_source": kiln_source_hash(),

@@ -8,6 +8,7 @@ from kiln.kernels.activation import silu_and_mul
 from kiln.kernels.attention import AttentionMetadata, attention
 from kiln.kernels.kv_cache import kv_cache_write
 from kiln.kernels.norm import fused_add_rms_norm, rms_norm
+from kiln.kernels.quant import quant_fp8, quant_int8, quantize_weight, scaled_mm
 from kiln.kernels.rotary import rope_cos_sin_cache, rotary_embedding
 
 __all__ = [
@@ -15,8 +16,12 @@ __all__ = [
     "attention",
     "fused_add_rms_norm",
     "kv_cache_write",
+    "quant_fp8",
+    "quant_int8",
+    "quantize_weight",
     "rms_norm",
     "rope_cos_sin_cache",
     "rotary_embedding",
+    "scaled_mm",
     "silu_and_mul",
 ]

@@ -1,0 +1,96 @@
+"""W8A8 quantization ops: quantize activations (int8 or fp8), multiply with quantized weights.
+
+Scales are symmetric and fp32. Activation scales are per token ([T, 1], "dynamic") or one for the
+tensor ([1, 1], "static"); weight scales are per output channel ([N]). Kept as separate ops so the
+fusion passes can fold a quantization into the RMSNorm or SiLU*Mul before it.
+"""
+
+import torch
+
+INT8_MAX = 127.0
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+_MIN_SCALE = 1e-10  # an all-zero token still gets a finite scale
+
+
+def _quant_native(x: torch.Tensor, scale: torch.Tensor | None, qmax: float, dtype: torch.dtype):
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    if scale is None:
+        s = (x2.abs().amax(dim=-1, keepdim=True) / qmax).clamp(min=_MIN_SCALE)
+    else:
+        s = scale.float().reshape(1, 1)
+    q = x2 / s
+    q = q.round().clamp(-qmax, qmax) if dtype == torch.int8 else q.clamp(-qmax, qmax)
+    return q.to(dtype), s.clone()
+
+
+def _quant_fake(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype):
+    rows = x.numel() // x.shape[-1]
+    return x.new_empty((rows, x.shape[-1]), dtype=dtype), x.new_empty((1 if scale is not None else rows, 1),
+                                                                       dtype=torch.float32)
+
+
+@torch.library.custom_op("kiln::quant_int8", mutates_args=())
+def quant_int8(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (int8 [T, K], fp32 scale): static per-tensor with `scale`, else per token."""
+    return _quant_native(x, scale, INT8_MAX, torch.int8)
+
+
+@quant_int8.register_fake
+def _(x, scale=None):
+    return _quant_fake(x, scale, torch.int8)
+
+
+@torch.library.custom_op("kiln::quant_fp8", mutates_args=())
+def quant_fp8(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (float8_e4m3fn [T, K], fp32 scale): static per-tensor with `scale`, else per token."""
+    return _quant_native(x, scale, FP8_MAX, torch.float8_e4m3fn)
+
+
+@quant_fp8.register_fake
+def _(x, scale=None):
+    return _quant_fake(x, scale, torch.float8_e4m3fn)
+
+
+def scaled_mm_native(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    b_row = b_scale.float().reshape(1, -1)
+    if a.dtype == torch.int8:
+        out = torch._int_mm(a, b.t()).float() * a_scale.float() * b_row
+    else:  # fp8: rowwise scales need one scale per row of a
+        a_col = a_scale.float().expand(a.shape[0], 1).contiguous()
+        out = torch._scaled_mm(a, b.t(), scale_a=a_col, scale_b=b_row, out_dtype=torch.float32)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+@torch.library.custom_op("kiln::scaled_mm", mutates_args=())
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(a * a_scale) @ (b * b_scale[:, None]).T + bias for quantized a [M, K] and weight b [N, K]
+    (both int8, or both float8_e4m3fn), accumulated in int32 / fp32."""
+    return scaled_mm_native(a, b, a_scale, b_scale, out_dtype, bias)
+
+
+@scaled_mm.register_fake
+def _(a, b, a_scale, b_scale, out_dtype, bias=None):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+def quantize_weight(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [N, K] -> (quantized [N, K], fp32 scale [N]): symmetric, one scale per output channel."""
+    qmax = INT8_MAX if dtype == torch.int8 else FP8_MAX
+    q, s = _quant_native(w, None, qmax, dtype)
+    return q, s.reshape(-1)
