@@ -29,26 +29,18 @@ def _quant_fake(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype)
                                                                        dtype=torch.float32)
 
 
-@torch.library.custom_op("kiln::quant_int8", mutates_args=())
-def quant_int8(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] -> (int8 [T, K], fp32 scale): static per-tensor with `scale`, else per token."""
-    return _quant_native(x, scale, INT8_MAX, torch.int8)
+def _define_quant(name: str, qmax: float, dtype: torch.dtype):
+    def native(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return _quant_native(x, scale, qmax, dtype)
+
+    native.__doc__ = f"x [..., K] -> ({dtype} [T, K], fp32 scale): static per-tensor with `scale`, else per token."
+    op = torch.library.custom_op(f"kiln::{name}", native, mutates_args=())
+    op.register_fake(lambda x, scale=None: _quant_fake(x, scale, dtype))
+    return op
 
 
-@quant_int8.register_fake
-def _(x, scale=None):
-    return _quant_fake(x, scale, torch.int8)
-
-
-@torch.library.custom_op("kiln::quant_fp8", mutates_args=())
-def quant_fp8(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] -> (float8_e4m3fn [T, K], fp32 scale): static per-tensor with `scale`, else per token."""
-    return _quant_native(x, scale, FP8_MAX, torch.float8_e4m3fn)
-
-
-@quant_fp8.register_fake
-def _(x, scale=None):
-    return _quant_fake(x, scale, torch.float8_e4m3fn)
+quant_int8 = _define_quant("quant_int8", INT8_MAX, torch.int8)
+quant_fp8 = _define_quant("quant_fp8", FP8_MAX, torch.float8_e4m3fn)
 
 
 def scaled_mm_native(
