@@ -11,6 +11,11 @@ from kiln.errors import KilnError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """"float32" for torch.float32: how manifests and keys spell a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
 def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise KilnError(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)}")

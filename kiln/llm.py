@@ -4,7 +4,7 @@ import logging
 import time
 from pathlib import Path
 
-from kiln.compiler.key import cache_key, key_factors
+from kiln.compiler.key import cache_key, model_factors
 from kiln.config import CompileConfig, EngineConfig, default_cache_dir, parse_dtype
 from kiln.errors import KilnError
 from kiln.models.config import ModelConfig
@@ -74,9 +74,7 @@ class LLM:
         """Load the artifact for this model and config; compile it first if it is absent or broken."""
         from kiln.compiler import artifact  # imports Inductor's loader (~1.5 s): only when compiling
 
-        quantization = getattr(self.model, "quantization", None)
-        key = cache_key(key_factors(self.model.config, self.model.dtype, compile_config, quantization))
-        path = self.artifact_path = cache_dir / key
+        path = self.artifact_path = cache_dir / cache_key(model_factors(self.model, compile_config))
         try:
             return artifact.load(path, self.model)
         except artifact.ArtifactError as e:

@@ -18,7 +18,6 @@ import logging
 import os
 import platform
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,8 +29,9 @@ from torch import nn
 import kiln
 from kiln.compiler import kernel_store
 from kiln.compiler.counters import counters
-from kiln.compiler.key import system_info
+from kiln.compiler.key import python_version, system_info
 from kiln.compiler.program import CompiledProgram, GraphInput, SizedPiece, load_program
+from kiln.config import dtype_name
 from kiln.errors import KilnError
 
 logger = logging.getLogger(__name__)
@@ -64,9 +64,19 @@ def _torch_build() -> str:
     return torch_key().hex()
 
 
-def _write_file(path: Path, data: bytes) -> str:
+def _entry(path: Path) -> dict:
+    """How the manifest pins a file: its sha256 and size (a size mismatch reads as truncation)."""
+    return {"sha256": _sha256(path), "bytes": path.stat().st_size}
+
+
+def _blob_entries(manifest: dict) -> list[dict]:
+    """Each distinct blob the pieces use, once (identical layers share theirs)."""
+    return list({e["sha256"]: e for p in manifest["pieces"].values() for e in p["sizes"].values()}.values())
+
+
+def _write_file(path: Path, data: bytes) -> dict:
     path.write_bytes(data)
-    return hashlib.sha256(data).hexdigest()
+    return _entry(path)
 
 
 def save(
@@ -97,29 +107,25 @@ def save(
                 if id(compiled) not in blob_of:
                     staged = tmp / "blobs" / "staged"
                     compiled.save(path=str(staged), format="binary")
-                    digest = _sha256(staged)
-                    os.replace(staged, tmp / "blobs" / digest)
-                    blob_of[id(compiled)] = {"sha256": digest, "bytes": (tmp / "blobs" / digest).stat().st_size}
+                    blob_of[id(compiled)] = entry = _entry(staged)
+                    os.replace(staged, tmp / "blobs" / entry["sha256"])
                     counters["blobs_saved"] += 1
                 sizes["dynamic" if size is None else str(size)] = blob_of[id(compiled)]
             entries[name] = {"sizes": sizes, "tokens": build.tokens, "returns_tuple": build.returns_tuple}
         kernel_entries = {}
         for key, built in sorted(kernels.items()):
             shutil.copyfile(built, tmp / "kernels" / f"{key}.so")
-            kernel_entries[key] = {"sha256": _sha256(tmp / "kernels" / f"{key}.so"), "bytes": built.stat().st_size}
+            kernel_entries[key] = _entry(tmp / "kernels" / f"{key}.so")
         manifest = {
             "format": FORMAT_VERSION,
             "key": path.name,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "kiln": kiln.__version__,
-            "torch": torch.__version__,
             "torch_build": _torch_build(),
-            "python": f"{sys.version_info.major}.{sys.version_info.minor}",
             "platform": platform.platform(),
-            "system": factors["system"],
-            "factors": factors,
+            "factors": factors,  # torch and Python versions, system: what verify() checks
             "inputs": inputs,
-            "program": {"sha256": _write_file(tmp / PROGRAM, program.encode())},
+            "program": _write_file(tmp / PROGRAM, program.encode()),
             "pieces": entries,
             "kernels": kernel_entries,
             **info,
@@ -167,23 +173,22 @@ def verify(path: Path) -> dict:
     path = Path(path)
     manifest = read_manifest(path)
     try:
-        python = f"{sys.version_info.major}.{sys.version_info.minor}"
-        if manifest["torch"] != torch.__version__:
-            raise ArtifactError(f"artifact built with torch {manifest['torch']}, this is {torch.__version__}: "
+        factors = manifest["factors"]
+        if factors["torch"] != torch.__version__:
+            raise ArtifactError(f"artifact built with torch {factors['torch']}, this is {torch.__version__}: "
                                 f"{RECOMPILE}")
         if manifest["torch_build"] != _torch_build():
             raise ArtifactError(f"artifact built with another build of torch {torch.__version__} (its sources "
                                 f"differ): {RECOMPILE}")
-        if manifest["python"] != python:
-            raise ArtifactError(f"artifact built for Python {manifest['python']}, this is {python}: {RECOMPILE}")
-        here = system_info(manifest["system"]["device"])
-        if manifest["system"] != here:
-            raise ArtifactError(f"artifact built for {manifest['system']}, this machine is {here}: run "
+        if factors["python"] != python_version():
+            raise ArtifactError(f"artifact built for Python {factors['python']}, this is {python_version()}: "
+                                f"{RECOMPILE}")
+        here = system_info(factors["system"]["device"])
+        if factors["system"] != here:
+            raise ArtifactError(f"artifact built for {factors['system']}, this machine is {here}: run "
                                 "`kiln compile` on a machine like this one")
-        program = manifest["program"]
-        if _sha256(path / PROGRAM) != program["sha256"]:
-            raise ArtifactError(f"artifact program {path / PROGRAM} was modified (sha256 mismatch): {RECOMPILE}")
-        for entry in {e["sha256"]: e for p in manifest["pieces"].values() for e in p["sizes"].values()}.values():
+        _check_file(path / PROGRAM, manifest["program"], "program")
+        for entry in _blob_entries(manifest):
             _check_file(path / "blobs" / entry["sha256"], entry, "blob")
         for key, entry in manifest["kernels"].items():
             _check_file(path / "kernels" / f"{key}.so", entry, "kernel")
@@ -211,9 +216,9 @@ def load(path: Path, model: nn.Module) -> CompiledProgram:
     path = Path(path)
     manifest = verify(path)
     blobs: dict[str, Callable] = {}
-    with kernel_store.serving(path / "kernels"), _quiet_inductor():
-        for sha in sorted({e["sha256"] for p in manifest["pieces"].values() for e in p["sizes"].values()}):
-            blobs[sha] = _load_blob(path / "blobs" / sha)
+    with kernel_store.serving(path / "kernels"), _no_compile_workers():
+        for entry in _blob_entries(manifest):
+            blobs[entry["sha256"]] = _load_blob(path / "blobs" / entry["sha256"])
             counters["blobs_loaded"] += 1
     pieces = {}
     for name, entry in manifest["pieces"].items():
@@ -237,15 +242,15 @@ def _check_weights(contract: list[dict], model: nn.Module) -> None:
         if entry["kind"] != "weight":
             continue
         w = weights.get(entry["name"])
-        if w is None or list(w.shape) != entry["shape"] or str(w.dtype).removeprefix("torch.") != entry["dtype"]:
+        if w is None or list(w.shape) != entry["shape"] or dtype_name(w.dtype) != entry["dtype"]:
             found = "absent" if w is None else f"{list(w.shape)} {w.dtype}"
             raise ArtifactError(f"artifact expects weight {entry['name']} {entry['shape']} {entry['dtype']}, the "
                                 f"model has {found}: the artifact was built for another model; {RECOMPILE}")
 
 
 @contextlib.contextmanager
-def _quiet_inductor():
-    """Inductor's loader may look for compile workers; a load needs none."""
+def _no_compile_workers():
+    """Inductor's loader may start compile workers when compile_threads > 1; a load needs none."""
     from torch._inductor import config
 
     with config.patch(compile_threads=1):

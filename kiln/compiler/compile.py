@@ -24,11 +24,11 @@ from tqdm import tqdm
 
 from kiln.compiler import artifact, kernel_store
 from kiln.compiler.counters import counters
-from kiln.compiler.key import cache_key, key_factors
+from kiln.compiler.key import cache_key, model_factors
 from kiln.compiler.program import arg_names
 from kiln.compiler.split import Piece, split_graph, stitching_source
 from kiln.compiler.trace import TracedBackbone, trace_backbone
-from kiln.config import CompileConfig
+from kiln.config import CompileConfig, dtype_name
 from kiln.models.llama import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,6 @@ class PieceBuild:
     compiled: dict[int | None, object]
     tokens: tuple[int, int | None] | None
     returns_tuple: bool
-    graph_key: str = ""
 
 
 def compile_pieces(
@@ -116,14 +115,12 @@ def compile_pieces(
     """Compile every non-splitting piece (unique graphs once, per size); returns name -> build."""
     builds: dict[str, PieceBuild] = {}
     by_key: dict[str, PieceBuild] = {}
-    todo = [p for p in pieces if not p.is_splitting]
-    unique = len({piece_key(normalize(p.graph)) for p in todo})
+    todo = [(piece, normalize(piece.graph)) for piece in pieces if not piece.is_splitting]
+    keys = [piece_key(graph) for _, graph in todo]
     disable = None if progress is None else not progress  # None: show only on a terminal
-    with tqdm(total=unique * (1 + len(sizes)), desc="kiln compile", unit="graph", disable=disable) as bar:
-        for piece in todo:
+    with tqdm(total=len(set(keys)) * (1 + len(sizes)), desc="kiln compile", unit="graph", disable=disable) as bar:
+        for (piece, graph), key in zip(todo, keys):
             counters["pieces"] += 1
-            graph = normalize(piece.graph)
-            key = piece_key(graph)
             if key in by_key:
                 counters["pieces_reused"] += 1
                 builds[piece.name] = by_key[key]
@@ -144,14 +141,13 @@ def compile_pieces(
                 logger.info("compiled %s %s (%s) in %.2fs", piece.name, label, key[:12], time.perf_counter() - start)
                 bar.update()
             counters["pieces_compiled"] += 1
-            by_key[key] = builds[piece.name] = PieceBuild(compiled, tokens, _returns_tuple(piece.graph), key)
+            by_key[key] = builds[piece.name] = PieceBuild(compiled, tokens, _returns_tuple(piece.graph))
     return builds
 
 
 @dataclass
 class CompileResult:
     path: Path
-    key: str
     reused: bool
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -170,7 +166,7 @@ def _contract(traced: TracedBackbone) -> list[dict]:
     for spec, value in zip(traced.inputs, values):
         entry = dataclasses.asdict(spec)
         if isinstance(value, torch.Tensor):
-            entry["dtype"] = str(value.dtype).removeprefix("torch.")
+            entry["dtype"] = dtype_name(value.dtype)
             entry["shape"] = [s if isinstance(s, int) else None for s in value.shape]
         contract.append(entry)
     return contract
@@ -198,7 +194,7 @@ def build_artifact(
     A file lock per key makes concurrent compiles of one model wait for the first and reuse its
     artifact; the artifact appears in one `os.replace`, so a crash leaves nothing half-written.
     """
-    factors = key_factors(model.config, model.dtype, compile_config, getattr(model, "quantization", None))
+    factors = model_factors(model, compile_config)
     key = cache_key(factors)
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -210,7 +206,7 @@ def build_artifact(
             try:
                 artifact.verify(path)
                 logger.info("artifact %s is present and valid: nothing to compile", path)
-                return CompileResult(path, key, reused=True)
+                return CompileResult(path, reused=True)
             except artifact.ArtifactError as e:
                 logger.info("compiling: %s", e)
         timings: dict[str, float] = {}
@@ -249,4 +245,4 @@ def build_artifact(
         )
         timings["save"] = time.perf_counter() - start
     logger.info("compile stages: %s", ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
-    return CompileResult(path, key, reused=False, timings=timings)
+    return CompileResult(path, reused=False, timings=timings)

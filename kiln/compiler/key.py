@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 
 import kiln
-from kiln.config import CompileConfig
+from kiln.config import CompileConfig, dtype_name
 from kiln.models.config import ModelConfig
+from kiln.models.llama import CausalLM
 
 # The parts of kiln whose source shapes the traced graph or its compilation.
 SOURCE_PARTS = ("kernels", "models", "compiler", "passes", "config.py")
@@ -34,6 +35,10 @@ def kiln_source_hash() -> str:
         for f in sorted(path.rglob("*.py")) if path.is_dir() else [path] if path.is_file() else []:
             h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
+
+
+def python_version() -> str:
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
 def system_info(device: str = "cpu") -> dict:
@@ -56,16 +61,22 @@ def key_factors(
     model = {k: v for k, v in dataclasses.asdict(model_config).items() if k not in NOT_IN_GRAPH}
     return {
         "model": model,
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": dtype_name(dtype),
         "quantization": quantization,
         "compile": dataclasses.asdict(compile_config),
         "passes": dict(pass_uuids or {}),
         "kiln_source": kiln_source_hash(),
         "torch": torch.__version__,
-        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "python": python_version(),
         "system": system_info(device),
     }
 
 
 def cache_key(factors: dict) -> str:
     return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def model_factors(model: CausalLM, compile_config: CompileConfig) -> dict:
+    """The key factors of a built (and possibly quantized) model: what `LLM` looks up and the
+    compiler writes under."""
+    return key_factors(model.config, model.dtype, compile_config, getattr(model, "quantization", None))

@@ -43,25 +43,6 @@ quant_int8 = _define_quant("quant_int8", INT8_MAX, torch.int8)
 quant_fp8 = _define_quant("quant_fp8", FP8_MAX, torch.float8_e4m3fn)
 
 
-def scaled_mm_native(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_scale: torch.Tensor,
-    b_scale: torch.Tensor,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    b_row = b_scale.float().reshape(1, -1)
-    if a.dtype == torch.int8:
-        out = torch._int_mm(a, b.t()).float() * a_scale.float() * b_row
-    else:  # fp8: rowwise scales need one scale per row of a
-        a_col = a_scale.float().expand(a.shape[0], 1).contiguous()
-        out = torch._scaled_mm(a, b.t(), scale_a=a_col, scale_b=b_row, out_dtype=torch.float32)
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(out_dtype)
-
-
 @torch.library.custom_op("kiln::scaled_mm", mutates_args=())
 def scaled_mm(
     a: torch.Tensor,
@@ -73,7 +54,15 @@ def scaled_mm(
 ) -> torch.Tensor:
     """(a * a_scale) @ (b * b_scale[:, None]).T + bias for quantized a [M, K] and weight b [N, K]
     (both int8, or both float8_e4m3fn), accumulated in int32 / fp32."""
-    return scaled_mm_native(a, b, a_scale, b_scale, out_dtype, bias)
+    b_row = b_scale.float().reshape(1, -1)
+    if a.dtype == torch.int8:
+        out = torch._int_mm(a, b.t()).float() * a_scale.float() * b_row
+    else:  # fp8: rowwise scales need one scale per row of a
+        a_col = a_scale.float().expand(a.shape[0], 1).contiguous()
+        out = torch._scaled_mm(a, b.t(), scale_a=a_col, scale_b=b_row, out_dtype=torch.float32)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
 
 
 @scaled_mm.register_fake

@@ -104,7 +104,7 @@ def _delete(path: Path) -> None:
 
 def _other_torch(path: Path) -> None:
     manifest = json.loads((path / "manifest.json").read_text())
-    manifest["torch"] = "2.11.0+cu128"
+    manifest["factors"]["torch"] = "2.11.0+cu128"
     (path / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -229,7 +229,7 @@ def test_manifest_records_factors_contract_and_timings(llama_artifact):
     manifest = json.loads((llama_artifact / "manifest.json").read_text())
     assert manifest["key"] == llama_artifact.name == cache_key(manifest["factors"])
     assert manifest["factors"]["model"]["num_layers"] == 4 and manifest["factors"]["dtype"] == "float32"
-    assert manifest["system"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert manifest["factors"]["system"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert set(manifest["timings"]) == {"trace", "passes", "split", "compile"}
     assert len(manifest["pieces"]) == 5 and len({p["sizes"]["dynamic"]["sha256"] for p in manifest["pieces"].values()}) == 3
     assert {e["kind"] for e in manifest["inputs"]} == {"weight", "input", "meta", "kv_cache", "size"}
@@ -305,3 +305,8 @@ def test_generate_cli_runs_the_artifact(demo_dirs, kiln_cache, llama_artifact, c
     compiled = capsys.readouterr().out
     assert main(argv[:-1]) == 0  # eager
     assert capsys.readouterr().out == compiled and compiled.startswith("The kiln was")
+
+
+def test_artifact_refuses_a_model_it_was_not_built_for(demo_dirs, llama_artifact):
+    with pytest.raises(artifact.ArtifactError, match="expects weight model.embed_tokens.weight .* the model has"):
+        artifact.load(llama_artifact, LLM(demo_dirs["qwen2"]).model)
