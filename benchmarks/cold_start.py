@@ -84,16 +84,16 @@ def main() -> None:
     repeats = 1 if args.quick else args.repeats
     with tempfile.TemporaryDirectory(prefix="kiln-bench-") as tmp:
         work = Path(tmp)
-        models = {"demo": write_demo_model(work / "demo", num_layers=4)}
+        models = {"demo": write_demo_model(work / "demo", num_layers=4, train_steps=0)}
         if not args.quick:
-            models["wide"] = write_demo_model(work / "wide", num_layers=4, hidden_size=1024)
+            models["wide"] = write_demo_model(work / "wide", num_layers=4, hidden_size=1024, train_steps=0)
         results: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
         import torch
 
         results["machine"]["torch"] = torch.__version__
         results["models"] = {name: measure(name, d, work, repeats) for name, d in models.items()}
         if not args.quick:
-            deep = write_demo_model(work / "deep", num_layers=16)
+            deep = write_demo_model(work / "deep", num_layers=16, train_steps=0)
             deep_s = _compile(deep, work / "deep-cache", _cold_env(work, "deep"))
             shallow = results["models"]["demo"]
             results["depth"] = {

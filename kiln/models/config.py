@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.errors import KilnError
+from kiln.models.compressed_tensors import CheckpointQuantization, parse_quantization_config
 
 
 @dataclass
@@ -46,6 +47,7 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    quantization: CheckpointQuantization | None = None  # a pre-quantized (compressed-tensors) checkpoint
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
@@ -96,6 +98,7 @@ class ModelConfig:
             qk_norm=spec.qk_norm,
             sliding_window=window,
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+            quantization=parse_quantization_config(hf.get("quantization_config")),
         )
 
     @classmethod

@@ -35,21 +35,42 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _target(model: CausalLM, params: dict[str, torch.Tensor], name: str) -> tuple[str, int, int] | None:
-    """Map a checkpoint name to (kiln parameter, row offset, row count); None if kiln ignores it."""
-    if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.config.tie_word_embeddings):
-        return None
-    for hf_proj, (merged, index) in model.stacked_params.items():
-        if f".{hf_proj}." in name:
-            kiln_name = name.replace(f".{hf_proj}.", f".{merged}.")
-            sizes = model.stacked_sizes(merged)
-            return kiln_name, sum(sizes[:index]), sizes[index]
-    if name in params:
-        return name, 0, params[name].shape[0]
-    raise KilnError(
-        f"unexpected tensor {name!r} in the checkpoint: it does not belong to a "
-        f"{model.config.architecture} with this config.json (wrong config or wrong weights?)"
-    )
+def _sources(model: CausalLM, pname: str, param: torch.Tensor) -> list[tuple[str, int, int]]:
+    """The checkpoint tensors that make up kiln parameter `pname`: (name, row offset, rows). A merged
+    projection (qkv, gate_up) stacks its Hugging Face slices along rows; its one static `input_scale`
+    is shared by all of them."""
+    merged = next((m for m, _ in model.stacked_params.values() if f".{m}." in pname), None)
+    if merged is None:
+        return [(pname, 0, param.shape[0] if param.dim() else 1)]
+    sources, offset = [], 0
+    for hf_proj, (m, index) in model.stacked_params.items():
+        if m != merged:
+            continue
+        rows = model.stacked_sizes(merged)[index]
+        name = pname.replace(f".{merged}.", f".{hf_proj}.")
+        sources.append((name, 0, 1) if pname.endswith(".input_scale") else (name, offset, rows))
+        offset += rows
+    return sources
+
+
+def _fit(name: str, tensor: torch.Tensor, param: torch.Tensor, rows: int, path: Path) -> torch.Tensor:
+    """Check one checkpoint tensor against its slice of `param`; returns it in the slice's shape."""
+    quantized = param.dtype in (torch.int8, torch.float8_e4m3fn)
+    if quantized and tensor.dtype != param.dtype:
+        raise KilnError(f"tensor {name!r} in {path.name} is {tensor.dtype}, but config.json's "
+                        f"quantization_config implies {param.dtype}: the weights do not match the config")
+    if name.endswith((".weight_scale", ".input_scale")):
+        # per-channel scales are stored [N, 1]; per-tensor ones [1] or [] and hold for every row
+        tensor = tensor.reshape(-1)
+        if tensor.numel() == 1:
+            tensor = tensor.expand(rows)
+    want = (rows, *param.shape[1:])
+    if tuple(tensor.shape) != want:
+        raise KilnError(
+            f"tensor {name!r} in {path.name} has shape {list(tensor.shape)}, but config.json "
+            f"implies {list(want)}: the weights do not match the config"
+        )
+    return tensor
 
 
 def load_weights(model: CausalLM, model_dir: str | Path) -> None:
@@ -57,36 +78,31 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
     start = time.perf_counter()
     model_dir = Path(model_dir)
     params = dict(model.named_parameters())
-    expected: dict[tuple[str, int], str] = {}  # (kiln param, row offset) -> checkpoint name
+    targets = {name: (pname, offset, rows)
+               for pname, p in params.items() for name, offset, rows in _sources(model, pname, p)}
     for pname, p in params.items():
-        merged = next((m for m, _ in model.stacked_params.values() if f".{m}." in pname), None)
-        if merged is None:
-            expected[(pname, 0)] = pname
-            continue
-        offset = 0
-        for hf_proj, (m, index) in model.stacked_params.items():
-            if m == merged:
-                expected[(pname, offset)] = pname.replace(f".{merged}.", f".{hf_proj}.")
-                offset += model.stacked_sizes(merged)[index]
-    loaded: set[tuple[str, int]] = set()
+        if pname.endswith(".input_scale"):
+            p.data.zero_()  # a static input scale is the max over the slices that share it
+    loaded: set[str] = set()
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                target = _target(model, params, name)
-                if target is None:
+                if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.config.tie_word_embeddings):
                     continue
-                pname, offset, rows = target
-                param = params[pname]
-                want = (rows, *param.shape[1:])
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != want:
+                if name not in targets:
                     raise KilnError(
-                        f"tensor {name!r} in {path.name} has shape {list(tensor.shape)}, but config.json "
-                        f"implies {list(want)}: the weights do not match the config"
+                        f"unexpected tensor {name!r} in the checkpoint: it does not belong to a "
+                        f"{model.config.architecture} with this config.json (wrong config or wrong weights?)"
                     )
-                param.data[offset : offset + rows].copy_(tensor)
-                loaded.add((pname, offset))
-    missing = [hf for key, hf in expected.items() if key not in loaded]
+                pname, offset, rows = targets[name]
+                param = params[pname]
+                tensor = _fit(name, f.get_tensor(name), param, rows, path)
+                if name.endswith(".input_scale"):
+                    torch.maximum(param.data, tensor.to(param.dtype), out=param.data)
+                else:
+                    param.data[offset : offset + rows].copy_(tensor)
+                loaded.add(name)
+    missing = [name for name in targets if name not in loaded]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise KilnError(f"checkpoint in {model_dir} is missing tensor {missing[0]!r}{more}")

@@ -1,8 +1,11 @@
-"""W8A8 linear layers and online quantization of a loaded model.
+"""W8A8 linear layers: online quantization of a loaded model, or the empty layers a pre-quantized
+checkpoint loads into.
 
 `quantize_model` swaps every decoder projection (qkv, o, gate_up, down) for a `QuantLinear` holding
 the weight in int8 or fp8 with one scale per output channel; activations are quantized per token at
-run time. Embeddings, norms and the LM head stay in the model dtype.
+run time. `quantized_layout` gives a model the same layers, empty, for a compressed-tensors
+checkpoint; with static activations each layer also holds one calibrated `input_scale`.
+Embeddings, norms and the LM head stay in the model dtype.
 """
 
 import torch
@@ -47,13 +50,41 @@ class QuantLinear(nn.Module):
         return ops.scaled_mm(q, self.weight, s, self.weight_scale, x.dtype, self.bias)
 
 
-def quantize_model(model: nn.Module, scheme: str) -> nn.Module:
-    """Replace the decoder's projections by W8A8 `QuantLinear`s, in place (weights must be loaded)."""
-    dtype = SCHEMES[check_scheme(scheme)]
+def _swap_projections(model: nn.Module, make) -> None:
     for module in list(model.modules()):
         for name in PROJECTIONS:
             child = getattr(module, name, None)
             if isinstance(child, nn.Linear):
-                setattr(module, name, QuantLinear.from_linear(child, dtype))
+                setattr(module, name, make(child))
+
+
+def quantize_model(model: nn.Module, scheme: str) -> nn.Module:
+    """Replace the decoder's projections by W8A8 `QuantLinear`s, in place (weights must be loaded).
+    A model built for a checkpoint that is already quantized with `scheme` is left as it is."""
+    check_scheme(scheme)
+    held = getattr(model, "quantization", None)
+    if held is not None:
+        if held != scheme:
+            raise KilnError(f"the checkpoint is already quantized ({held}, compressed-tensors): "
+                            f"drop --quantization {scheme}")
+        return model
+    _swap_projections(model, lambda linear: QuantLinear.from_linear(linear, SCHEMES[scheme]))
     model.quantization = scheme  # read by the compiler: the scheme is part of the artifact key
+    return model
+
+
+def quantized_layout(model: nn.Module, scheme: str, static_input: bool) -> nn.Module:
+    """Give a freshly built model empty `QuantLinear`s of the checkpoint's layout, in place; the
+    loader fills them. Built on the model's device (meta while `create_model` builds)."""
+    dtype = SCHEMES[check_scheme(scheme)]
+
+    def empty(linear: nn.Linear) -> QuantLinear:
+        w = linear.weight
+        bias = linear.bias.detach() if linear.bias is not None else None
+        input_scale = torch.empty(1, dtype=torch.float32, device=w.device) if static_input else None
+        return QuantLinear(torch.empty(w.shape, dtype=dtype, device=w.device),
+                           torch.empty(w.shape[0], dtype=torch.float32, device=w.device), bias, input_scale)
+
+    _swap_projections(model, empty)
+    model.quantization = scheme
     return model

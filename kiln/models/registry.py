@@ -8,6 +8,7 @@ from torch import nn
 
 from kiln.models.config import ARCHITECTURES, ModelConfig
 from kiln.models.llama import CausalLM
+from kiln.models.quantization import quantized_layout
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {arch: CausalLM for arch in ARCHITECTURES}
 
@@ -27,9 +28,12 @@ def _skip_random_init() -> Iterator[None]:
 
 
 def create_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu") -> CausalLM:
-    """Build a model with uninitialized weights (no random init: the loader overwrites them)."""
+    """Build a model with uninitialized weights (no random init: the loader overwrites them), with
+    quantized projections when the checkpoint is quantized."""
     with torch.device("meta"), _skip_random_init():
         model = MODEL_CLASSES[cfg.architecture](cfg, dtype)
+        if cfg.quantization is not None:
+            quantized_layout(model, cfg.quantization.scheme, cfg.quantization.static_input)
     model.to_empty(device=device)
     model.init_buffers()
     return model.eval().requires_grad_(False)

@@ -217,8 +217,8 @@ def test_key_covers_what_changes_code_and_not_weights(tmp_path, demo_dirs):
     from kiln.models.demo import write_demo_model
 
     base = _key(demo_dirs["llama"])
-    assert _key(write_demo_model(tmp_path / "reseeded", arch="llama", seed=7)) == base  # other weights, same key
-    assert _key(write_demo_model(tmp_path / "deeper", arch="llama", num_layers=5)) != base
+    assert _key(write_demo_model(tmp_path / "reseeded", arch="llama", seed=7, train_steps=0)) == base  # other weights, same key
+    assert _key(write_demo_model(tmp_path / "deeper", arch="llama", num_layers=5, train_steps=0)) != base
     assert _key(demo_dirs["llama"], dtype=torch.bfloat16) != base
     assert _key(demo_dirs["llama"], sizes=(1, 2)) != base
     assert _key(demo_dirs["llama"], max_num_tokens=512) != base

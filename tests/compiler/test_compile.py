@@ -46,7 +46,7 @@ def test_split_gives_2l_plus_1_pieces(demo_dirs):
 
 
 def test_unique_blobs_do_not_grow_with_depth(tmp_path, llama_artifact, kiln_cache):
-    model_dir = write_demo_model(tmp_path / "l16", arch="llama", num_layers=16)
+    model_dir = write_demo_model(tmp_path / "l16", arch="llama", num_layers=16, train_steps=0)
     counters.clear()
     llm = LLM(model_dir, compile=True, cache_dir=kiln_cache)
     assert counters["pieces"] == 17 and counters["pieces_compiled"] == 3 and counters["blobs_saved"] == 3

@@ -8,7 +8,7 @@ from kiln.models.quantization import SCHEMES, QuantLinear
 from tests.oracle import PROMPTS
 
 # Documented bounds: relative Frobenius error of one projection's output, W8A8 vs full precision,
-# on the demo models' real activations (measured worst: int8 0.020, fp8 0.039).
+# on the demo models' real activations (measured worst over llama, mistral, qwen3: int8 0.020, fp8 0.038).
 LAYER_BOUND = {"int8": 0.03, "fp8": 0.06}
 GREEDY64 = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
 
@@ -47,7 +47,9 @@ def test_quantize_model_swaps_projections_only(demo_dirs):
 
 def _teacher_forced_agreement(llm: LLM, reference) -> float:
     """Share of positions where the quantized model's next greedy token equals the reference's,
-    given the reference's own prefix (so one early near-tie does not decide all later positions)."""
+    given the reference's own prefix. Free-running greedy text diverges for good at its first
+    near-tie (a one-word prompt that opens several sentences of the corpus), which measures the
+    prompt more than the quantization; this counts every position on its own."""
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     agree = total = 0
     for ref in reference:
@@ -57,9 +59,16 @@ def _teacher_forced_agreement(llm: LLM, reference) -> float:
     return agree / total
 
 
-def test_int8_greedy_agrees_with_full_precision(demo_dirs):
-    reference = LLM(demo_dirs["llama"]).generate(PROMPTS, GREEDY64)
-    assert _teacher_forced_agreement(LLM(demo_dirs["llama"], quantization="int8"), reference) >= 0.9
+@pytest.fixture(scope="module")
+def greedy_reference(demo_dirs) -> dict:
+    return {arch: LLM(d).generate(PROMPTS, GREEDY64) for arch, d in demo_dirs.items()}
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_greedy_tokens_agree_with_full_precision(demo_dirs, greedy_reference, arch, scheme):
+    """64 greedy tokens for each of 8 prompts on the trained demo models: >= 90% agree."""
+    assert _teacher_forced_agreement(LLM(demo_dirs[arch], quantization=scheme), greedy_reference[arch]) >= 0.9
 
 
 def test_int8_compiled_equals_int8_eager(demo_dirs, kiln_cache):
