@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "--train-steps 0 keeps the random weights).")
     demo.add_argument("out_dir", metavar="OUT_DIR")
     demo.add_argument("--arch", default="llama", choices=DEMO_ARCHS, help="architecture (default llama)")
-    demo.add_argument("--num-layers", type=_at_least(1), default=4, help="decoder layers (default 4)")
+    demo.add_argument("--num-layers", type=_at_least(1), default=4, metavar="N", help="decoder layers (default 4)")
     demo.add_argument("--seed", type=int, default=0, help="weight init and training seed (default 0)")
     demo.add_argument("--train-steps", type=_at_least(0), default=TRAIN_STEPS, metavar="N",
                       help=f"training steps on the shipped text (default {TRAIN_STEPS}; 0: random weights)")
