@@ -29,9 +29,16 @@ def _at_least(low: int):
 
 
 def _compile_config(args: argparse.Namespace):
-    from kiln.config import CompileConfig
+    from kiln.config import CompileConfig, PassConfig
 
-    return CompileConfig(max_num_tokens=args.max_num_tokens, sizes=args.sizes)
+    passes = PassConfig(**{name.replace("-", "_"): False for name in args.disable_pass or []})
+    return CompileConfig(max_num_tokens=args.max_num_tokens, sizes=args.sizes, passes=passes)
+
+
+def _custom_passes(args: argparse.Namespace) -> list:
+    from kiln.passes import load_pass
+
+    return [load_pass(spec) for spec in args.passes or []]
 
 
 def _cmd_compile(args: argparse.Namespace) -> None:
@@ -59,6 +66,7 @@ def _cmd_compile(args: argparse.Namespace) -> None:
         dump_dir=Path(args.dump_dir) if args.dump_dir else None,
         progress=False if args.quiet else None,  # None: a bar on terminals only
         force=args.force,
+        passes=_custom_passes(args),
     )
     if result.reused:
         print(f"artifact already present and valid (checked in {time.perf_counter() - start:.2f}s)")
@@ -66,7 +74,11 @@ def _cmd_compile(args: argparse.Namespace) -> None:
         print(f"{'stage':<10}{'seconds':>10}")
         for stage, seconds in result.timings.items():
             print(f"{stage:<10}{seconds:>10.2f}")
-        print(f"{'total':<10}{time.perf_counter() - start:>10.2f}")
+        print(f"{'total':<10}{time.perf_counter() - start:>10.2f}\n")
+    width = max(len(name) for name in [*result.pass_matches, "pass"]) + 2
+    print(f"{'pass':<{width}}{'matches':>8}")
+    for name, matches in result.pass_matches.items():
+        print(f"{name:<{width}}{'-' if matches is None else matches:>8}")
     print(result.path)
 
 
@@ -82,6 +94,7 @@ def _cmd_generate(args: argparse.Namespace) -> None:
         require_artifact=args.require_artifact,
         compile_config=_compile_config(args),
         quantization=args.quantization,
+        passes=_custom_passes(args),
         max_num_batched_tokens=args.max_num_tokens,
     )
     params = SamplingParams(
@@ -105,6 +118,11 @@ def _cmd_demo_model(args: argparse.Namespace) -> None:
 
 
 def _add_compile_options(parser: argparse.ArgumentParser) -> None:
+    import dataclasses
+
+    from kiln.config import PassConfig
+
+    pass_names = [f.name.replace("_", "-") for f in dataclasses.fields(PassConfig)]
     parser.add_argument("--cache-dir", metavar="DIR", help="artifact cache (default $KILN_CACHE, else "
                         "~/.cache/kiln)")
     parser.add_argument("--max-num-tokens", type=int, default=2048, metavar="N", help="largest batch in tokens "
@@ -113,6 +131,10 @@ def _add_compile_options(parser: argparse.ArgumentParser) -> None:
                         "activations per token (default: none)")
     parser.add_argument("--sizes", type=_sizes, default=(), metavar="N,N,...", help="token counts that also get "
                         "a static-shape compile, e.g. 1,2,4,8 (default: none)")
+    parser.add_argument("--pass", dest="passes", action="append", metavar="MODULE:NAME", help="add your own "
+                        "graph pass (a kiln.passes.GraphPass subclass), run after kiln's fusions; repeatable")
+    parser.add_argument("--disable-pass", action="append", choices=pass_names, metavar="NAME",
+                        help=f"turn off one of kiln's passes ({', '.join(pass_names)}); repeatable")
 
 
 def build_parser() -> argparse.ArgumentParser:

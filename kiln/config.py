@@ -44,6 +44,19 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class PassConfig:
+    """Which of kiln's graph passes run (DESIGN.md section 4). All on by default; each is part of the
+    artifact key, so turning one off builds a different artifact."""
+
+    noop_elimination: bool = True
+    """Drop reshapes, views and slices that do not change their input."""
+    rms_quant: bool = True
+    """RMSNorm (+ residual add) -> activation quant => one fused op."""
+    act_quant: bool = True
+    """SiLU*Mul -> activation quant => one fused op."""
+
+
+@dataclass(frozen=True)
 class CompileConfig:
     """What `kiln compile` builds: it is part of the artifact's cache key, so only knobs that change
     the compiled code belong here."""
@@ -53,6 +66,8 @@ class CompileConfig:
     max_num_batched_tokens may not exceed it."""
     sizes: tuple[int, ...] = field(default_factory=tuple)
     """Token counts that also get a static-shape compile of every piece (others use the dynamic one)."""
+    passes: PassConfig = field(default_factory=PassConfig)
+    """kiln's graph passes, on or off."""
 
     def __post_init__(self) -> None:
         if self.max_num_tokens < 1:

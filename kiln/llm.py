@@ -2,6 +2,7 @@
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from kiln.compiler.key import cache_key, model_factors
@@ -11,6 +12,7 @@ from kiln.models.config import ModelConfig
 from kiln.models.loader import load_weights
 from kiln.models.quantization import check_scheme, quantize_model
 from kiln.models.registry import create_model
+from kiln.passes import GraphPass
 from kiln.runtime.engine import Engine, RequestOutput
 from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.tokenizer import Tokenizer
@@ -25,7 +27,8 @@ class LLM:
     `$KILN_CACHE` or ~/.cache/kiln), compiling it first if it is absent or unusable; with
     `require_artifact=True` a missing or broken artifact is an error instead. `quantization="int8"`
     or `"fp8"` quantizes the decoder's projections (W8A8, per-channel weights, per-token activations)
-    after loading.
+    after loading, unless the checkpoint is quantized already. `passes` adds the user's own graph
+    passes (`kiln.passes.GraphPass`) to the compile; they are part of the artifact key.
 
     >>> llm = LLM("path/to/model")
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))[0].text
@@ -42,6 +45,7 @@ class LLM:
         require_artifact: bool = False,
         compile_config: CompileConfig | None = None,
         quantization: str | None = None,
+        passes: Sequence[GraphPass] = (),
         **engine_options,
     ):
         start = time.perf_counter()
@@ -66,15 +70,17 @@ class LLM:
                     f"max_num_tokens {compile_config.max_num_tokens}: lower it or compile with a larger "
                     "--max-num-tokens"
                 )
-            forward = self._compiled(Path(cache_dir or default_cache_dir()), compile_config, require_artifact)
+            forward = self._compiled(Path(cache_dir or default_cache_dir()), compile_config, require_artifact,
+                                     passes)
         self.engine = Engine(self.model, engine_config, self.tokenizer, seed=seed, forward=forward)
         logger.info("ready in %.2fs", time.perf_counter() - start)
 
-    def _compiled(self, cache_dir: Path, compile_config: CompileConfig, require_artifact: bool):
+    def _compiled(self, cache_dir: Path, compile_config: CompileConfig, require_artifact: bool,
+                  passes: Sequence[GraphPass]):
         """Load the artifact for this model and config; compile it first if it is absent or broken."""
         from kiln.compiler import artifact  # imports Inductor's loader (~1.5 s): only when compiling
 
-        path = self.artifact_path = cache_dir / cache_key(model_factors(self.model, compile_config))
+        path = self.artifact_path = cache_dir / cache_key(model_factors(self.model, compile_config, passes))
         try:
             return artifact.load(path, self.model)
         except artifact.ArtifactError as e:
@@ -84,7 +90,7 @@ class LLM:
             log("%s; compiling now", e)
         from kiln.compiler.compile import build_artifact  # the tracing path, only when needed
 
-        result = build_artifact(self.model, compile_config, cache_dir)
+        result = build_artifact(self.model, compile_config, cache_dir, passes=passes)
         return artifact.load(result.path, self.model)
 
     def generate(

@@ -11,6 +11,7 @@ import logging
 import shutil
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from kiln.compiler.split import Piece, split_graph, stitching_source
 from kiln.compiler.trace import TracedBackbone, trace_backbone
 from kiln.config import CompileConfig, dtype_name
 from kiln.models.llama import CausalLM
+from kiln.passes import GraphPass, PassManager
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +55,7 @@ def _returns_tuple(graph: fx.GraphModule) -> bool:
 
 
 def _examples(piece: Piece) -> list:
-    return [n.meta["example_value"] for n in piece.graph.graph.nodes if n.op == "placeholder"]
+    return [n.meta["val"] for n in piece.graph.graph.nodes if n.op == "placeholder"]
 
 
 def _token_location(examples: list, token_symbol: str) -> tuple[int, int | None] | None:
@@ -150,6 +152,7 @@ class CompileResult:
     path: Path
     reused: bool
     timings: dict[str, float] = field(default_factory=dict)
+    pass_matches: dict[str, int] = field(default_factory=dict)
 
 
 def _token_symbol(traced: TracedBackbone) -> str:
@@ -161,7 +164,7 @@ def _token_symbol(traced: TracedBackbone) -> str:
 def _contract(traced: TracedBackbone) -> list[dict]:
     """The input contract the manifest records: each input's source, and tensors' dtype and shape
     (None where the dimension is symbolic)."""
-    values = [n.meta["example_value"] for n in traced.graph.graph.nodes if n.op == "placeholder"]
+    values = [n.meta["val"] for n in traced.graph.graph.nodes if n.op == "placeholder"]
     contract = []
     for spec, value in zip(traced.inputs, values):
         entry = dataclasses.asdict(spec)
@@ -172,9 +175,11 @@ def _contract(traced: TracedBackbone) -> list[dict]:
     return contract
 
 
-def _dump(dump_dir: Path, traced: TracedBackbone, stitched: fx.GraphModule, pieces: list[Piece]) -> None:
+def _dump(dump_dir: Path, before_passes: str, traced: TracedBackbone, stitched: fx.GraphModule,
+          pieces: list[Piece]) -> None:
     graphs = dump_dir / "graphs"
     graphs.mkdir(parents=True, exist_ok=True)
+    (graphs / "before_passes.py").write_text(before_passes)
     (graphs / "before_split.py").write_text(traced.graph.code)
     (graphs / "after_split.py").write_text(stitched.code)
     for piece in pieces:
@@ -188,13 +193,16 @@ def build_artifact(
     dump_dir: Path | None = None,
     progress: bool | None = None,
     force: bool = False,
+    passes: Sequence[GraphPass] = (),
 ) -> CompileResult:
     """Compile `model`'s backbone into `cache_dir/<key>` unless a valid artifact is already there.
+    `passes` are the user's own, run after kiln's fusions.
 
     A file lock per key makes concurrent compiles of one model wait for the first and reuse its
     artifact; the artifact appears in one `os.replace`, so a crash leaves nothing half-written.
     """
-    factors = model_factors(model, compile_config)
+    manager = PassManager(compile_config.passes, passes)
+    factors = model_factors(model, compile_config, passes)
     key = cache_key(factors)
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -204,9 +212,10 @@ def build_artifact(
             shutil.rmtree(debris, ignore_errors=True)
         if not force:
             try:
-                artifact.verify(path)
+                manifest = artifact.verify(path)
                 logger.info("artifact %s is present and valid: nothing to compile", path)
-                return CompileResult(path, reused=True)
+                matches = {entry["name"]: entry["matches"] for entry in manifest.get("passes", [])}
+                return CompileResult(path, reused=True, pass_matches=matches)
             except artifact.ArtifactError as e:
                 logger.info("compiling: %s", e)
         timings: dict[str, float] = {}
@@ -223,12 +232,16 @@ def build_artifact(
             else:
                 traced = trace_backbone(model)
             timings["trace"] = time.perf_counter() - start
-            timings["passes"] = 0.0  # no graph passes are configured yet
+            before_passes = traced.graph.code
+            start = time.perf_counter()
+            report = manager.run(traced.graph, (1, compile_config.max_num_tokens))
+            timings["passes"] = time.perf_counter() - start
+            logger.info("pass matches: %s", ", ".join(f"{k} {v}" for k, v in report.matches.items()))
             start = time.perf_counter()
             stitched, pieces = split_graph(traced.graph)
             timings["split"] = time.perf_counter() - start
             if dump_dir is not None:
-                _dump(Path(dump_dir), traced, stitched, pieces)
+                _dump(Path(dump_dir), before_passes, traced, stitched, pieces)
             start = time.perf_counter()
             builds = compile_pieces(pieces, _token_symbol(traced), compile_config.sizes, progress)
             timings["compile"] = time.perf_counter() - start
@@ -241,8 +254,15 @@ def build_artifact(
             inputs=_contract(traced),
             pieces=builds,
             kernels=kernels,
-            info={"timings": timings, "counters": dict(counters - before), "architecture": model.config.architecture},
+            info={
+                "timings": timings,
+                "counters": dict(counters - before),
+                "architecture": model.config.architecture,
+                "passes": [{"name": name, "uuid": uuid, "matches": report.matches.get(name),
+                            "seconds": round(report.seconds.get(name, 0.0), 4)}
+                           for name, uuid in manager.uuids().items()],  # a list: pipeline order
+            },
         )
         timings["save"] = time.perf_counter() - start
     logger.info("compile stages: %s", ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
-    return CompileResult(path, reused=False, timings=timings)
+    return CompileResult(path, reused=False, timings=timings, pass_matches=report.matches)

@@ -9,6 +9,7 @@ import hashlib
 import json
 import platform
 import sys
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import kiln
 from kiln.config import CompileConfig, dtype_name
 from kiln.models.config import ModelConfig
 from kiln.models.llama import CausalLM
+from kiln.passes import GraphPass, PassManager
 
 # The parts of kiln whose source shapes the traced graph or its compilation.
 SOURCE_PARTS = ("kernels", "models", "compiler", "passes", "config.py")
@@ -76,7 +78,8 @@ def cache_key(factors: dict) -> str:
     return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def model_factors(model: CausalLM, compile_config: CompileConfig) -> dict:
-    """The key factors of a built (and possibly quantized) model: what `LLM` looks up and the
-    compiler writes under."""
-    return key_factors(model.config, model.dtype, compile_config, getattr(model, "quantization", None))
+def model_factors(model: CausalLM, compile_config: CompileConfig, passes: Sequence[GraphPass] = ()) -> dict:
+    """The key factors of a built (and possibly quantized) model compiled with kiln's passes and the
+    user's `passes`: what `LLM` looks up and the compiler writes under."""
+    uuids = PassManager(compile_config.passes, passes).uuids()
+    return key_factors(model.config, model.dtype, compile_config, getattr(model, "quantization", None), uuids)

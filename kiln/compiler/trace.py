@@ -1,7 +1,9 @@
-"""Trace the decoder backbone once with Dynamo into one FX graph.
+"""Trace the decoder backbone once with Dynamo into one aten-level FX graph.
 
 The only dynamic dimensions are the token count (input_ids, positions, slot_mapping) and the KV
 cache's block count; Dynamo's guards are dropped because the runtime guarantees the input contract.
+Dynamo's graph is then retraced to aten ops (kiln ops stay whole, as `torch.ops.kiln.*.default`),
+the form the passes and Inductor's pattern matcher work on; no functionalization happens here.
 """
 
 import logging
@@ -10,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from kiln.compiler.counters import counters
 from kiln.compiler.program import GraphInput
@@ -76,6 +80,14 @@ def _graph_inputs(graph: fx.GraphModule, example_inputs: list, model: CausalLM, 
     return inputs
 
 
+def _to_aten(graph: fx.GraphModule) -> fx.GraphModule:
+    """Retrace Dynamo's graph (torch functions, methods, op packets) into aten ops and op overloads,
+    on the fake inputs Dynamo traced with, keeping its symbolic sizes."""
+    values = [n.meta["example_value"] for n in graph.graph.nodes if n.op == "placeholder"]
+    with detect_fake_mode(values):
+        return make_fx(graph, tracing_mode="real")(*values)
+
+
 def trace_backbone(model: CausalLM) -> TracedBackbone:
     """Trace `model.forward` once (fullgraph) and return the graph with its input contract."""
     start = time.perf_counter()
@@ -98,7 +110,7 @@ def trace_backbone(model: CausalLM) -> TracedBackbone:
         torch.compile(backbone, backend=backend, fullgraph=True)(*batch)
     torch._dynamo.reset()
     counters["graphs_traced"] += 1
-    graph = captured["graph"]
-    inputs = _graph_inputs(graph, captured["inputs"], model, batch)
+    inputs = _graph_inputs(captured["graph"], captured["inputs"], model, batch)
+    graph = _to_aten(captured["graph"])
     logger.info("traced backbone: %d nodes in %.2fs", len(graph.graph.nodes), time.perf_counter() - start)
     return TracedBackbone(graph, inputs)

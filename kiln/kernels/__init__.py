@@ -6,6 +6,7 @@ path). Importing this package registers them under `torch.ops.kiln`.
 
 from kiln.kernels.activation import silu_and_mul
 from kiln.kernels.attention import AttentionMetadata, attention
+from kiln.kernels.fused_quant import fused_add_rms_norm_quant, rms_norm_quant, silu_and_mul_quant
 from kiln.kernels.kv_cache import kv_cache_write
 from kiln.kernels.norm import fused_add_rms_norm, rms_norm
 from kiln.kernels.quant import quant_fp8, quant_int8, quantize_weight, scaled_mm
@@ -15,13 +16,16 @@ __all__ = [
     "AttentionMetadata",
     "attention",
     "fused_add_rms_norm",
+    "fused_add_rms_norm_quant",
     "kv_cache_write",
     "quant_fp8",
     "quant_int8",
     "quantize_weight",
     "rms_norm",
+    "rms_norm_quant",
     "rope_cos_sin_cache",
     "rotary_embedding",
     "scaled_mm",
     "silu_and_mul",
+    "silu_and_mul_quant",
 ]

@@ -29,6 +29,15 @@ def _quant_fake(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype)
                                                                        dtype=torch.float32)
 
 
+def quant_native(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize `x` to int8 or fp8: static per-tensor with `scale`, else per token (the ops' reference)."""
+    return _quant_native(x, scale, INT8_MAX if dtype == torch.int8 else FP8_MAX, dtype)
+
+
+def quant_fake(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quant_fake(x, scale, dtype)
+
+
 def _define_quant(name: str, qmax: float, dtype: torch.dtype):
     def native(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return _quant_native(x, scale, qmax, dtype)

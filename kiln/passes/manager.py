@@ -1,0 +1,85 @@
+"""The pass pipeline: kiln's passes in the fixed order of DESIGN.md section 4, plus the user's.
+
+Order: no-op elimination, RMSNorm+quant, SiLU*Mul+quant, user passes, dead code. Each pass's match
+count and time are reported; every pass's uuid (and which passes run) is part of the artifact key.
+"""
+
+import importlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from torch import fx
+
+from kiln.config import PassConfig
+from kiln.errors import KilnError
+from kiln.passes.base import GraphPass, SizeRange
+from kiln.passes.cleanup.dead_code import DeadCodeElimination
+from kiln.passes.cleanup.noop_elimination import NoOpElimination
+from kiln.passes.fusion.act_quant import SiluMulQuantFusion
+from kiln.passes.fusion.rms_quant import RMSNormQuantFusion
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PassReport:
+    """What one run of the pipeline did: matches and seconds per pass, in pipeline order."""
+
+    matches: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def load_pass(spec: str) -> GraphPass:
+    """`package.module:Name` -> an instance of that GraphPass class (or the GraphPass object itself)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise KilnError(f"--pass {spec!r}: expected module:Name, e.g. mypkg.passes:MyPass")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise KilnError(f"--pass {spec!r}: cannot import {module_name} ({e})") from None
+    obj = getattr(module, attr, None)
+    if obj is None:
+        raise KilnError(f"--pass {spec!r}: {module_name} has no {attr!r}")
+    if isinstance(obj, type) and issubclass(obj, GraphPass):
+        obj = obj()
+    if not isinstance(obj, GraphPass):
+        raise KilnError(f"--pass {spec!r}: {attr} is not a kiln.passes.GraphPass (subclass or instance)")
+    return obj
+
+
+class PassManager:
+    """Runs the configured pipeline on a traced graph, in order, and names it for the cache key."""
+
+    def __init__(self, config: PassConfig | None = None, custom: Sequence[GraphPass] = ()):
+        config = config or PassConfig()
+        builtin: list[tuple[bool, GraphPass]] = [
+            (config.noop_elimination, NoOpElimination()),
+            (config.rms_quant, RMSNormQuantFusion()),
+            (config.act_quant, SiluMulQuantFusion()),
+        ]
+        self.passes: list[GraphPass] = [p for on, p in builtin if on] + list(custom) + [DeadCodeElimination()]
+        names = [p.name for p in self.passes]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise KilnError(f"two passes are named {dupes[0]!r}: give each pass its own `name`")
+
+    def uuids(self) -> dict[str, str]:
+        """Pass name -> uuid, in pipeline order: the `passes` factor of the artifact key."""
+        return {p.name: p.uuid() for p in self.passes}
+
+    def run(self, graph: fx.GraphModule, size_range: SizeRange) -> PassReport:
+        """Apply every pass that applies to `size_range` to `graph`, in place."""
+        report = PassReport()
+        for p in self.passes:
+            if not p.applies_to(size_range):
+                continue
+            start = time.perf_counter()
+            report.matches[p.name] = int(p(graph.graph))
+            report.seconds[p.name] = time.perf_counter() - start
+            logger.debug("pass %s: %d matches in %.3fs", p.name, report.matches[p.name], report.seconds[p.name])
+        graph.graph.lint()
+        graph.recompile()
+        return report

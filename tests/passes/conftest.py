@@ -1,0 +1,48 @@
+"""Trace quantized demo models once per test and run the traced graph itself, before and after passes."""
+
+import copy
+
+import pytest
+
+from kiln import LLM
+from kiln.compiler.program import CompiledProgram
+from kiln.compiler.trace import TracedBackbone, trace_backbone
+from kiln.config import EngineConfig
+from kiln.runtime.engine import Engine
+from tests.quant_checkpoints import calibrate, write_compressed
+
+SCHEMES = ["int8", "fp8", "int8-static", "fp8-static"]
+
+
+@pytest.fixture(scope="session")
+def quantized_llms(demo_dirs, hf_models, tmp_path_factory) -> dict[str, LLM]:
+    """The demo llama quantized four ways: online per-token int8/fp8, and compressed-tensors
+    checkpoints with calibrated static activation scales."""
+    amax = calibrate(hf_models["llama"], demo_dirs["llama"])
+    root = tmp_path_factory.mktemp("static")
+    llms = {s: LLM(demo_dirs["llama"], quantization=s) for s in ("int8", "fp8")}
+    for s in ("int8", "fp8"):
+        llms[f"{s}-static"] = LLM(write_compressed(demo_dirs["llama"], root / s, s, input_amax=amax))
+    llms[None] = LLM(demo_dirs["llama"])
+    return llms
+
+
+@pytest.fixture(scope="session")
+def traced_graphs(quantized_llms) -> dict:
+    return {scheme: trace_backbone(llm.model) for scheme, llm in quantized_llms.items()}
+
+
+def fresh(traced: TracedBackbone) -> TracedBackbone:
+    """A copy a pass may rewrite without touching the shared trace."""
+    return TracedBackbone(copy.deepcopy(traced.graph), traced.inputs)
+
+
+def run_graph(llm: LLM, traced: TracedBackbone, prompts, params):
+    """Generate with `traced`'s graph run eagerly as the model's forward (no Inductor involved)."""
+    saved = llm.engine
+    llm.engine = Engine(llm.model, EngineConfig(), llm.tokenizer, forward=CompiledProgram(traced.graph, traced.inputs,
+                                                                                          llm.model))
+    try:
+        return llm.generate(prompts, params)
+    finally:
+        llm.engine = saved
