@@ -37,10 +37,16 @@ logger = logging.getLogger(__name__)
 
 
 def normalize(graph: fx.GraphModule) -> fx.GraphModule:
-    """A copy whose inputs are named arg0..argN, so identical layers print identical code."""
+    """A copy whose inputs are named arg0..argN and values v0..vN, so identical layers print
+    identical code (the traced names count across the whole backbone)."""
     g = copy.deepcopy(graph)
     for i, node in enumerate(n for n in g.graph.nodes if n.op == "placeholder"):
         node.name = node.target = f"arg{i}"
+    values = [n for n in g.graph.nodes if n.op not in ("placeholder", "output")]
+    for i, node in enumerate(values):
+        node.name = f"_kiln_tmp{i}"  # two steps: a new name may equal an old one not yet renamed
+    for i, node in enumerate(values):
+        node.name = f"v{i}"
     g.recompile()
     return g
 

@@ -8,7 +8,7 @@ from kiln.models.quantization import SCHEMES, QuantLinear
 from tests.oracle import PROMPTS
 
 # Documented bounds: relative Frobenius error of one projection's output, W8A8 vs full precision,
-# on the demo models' real activations (measured worst over llama, mistral, qwen3: int8 0.020, fp8 0.038).
+# on the demo models' real activations (measured worst over the four archs: int8 0.020, fp8 0.038).
 LAYER_BOUND = {"int8": 0.03, "fp8": 0.06}
 GREEDY64 = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
 

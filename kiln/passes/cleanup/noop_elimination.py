@@ -1,4 +1,4 @@
-"""Remove reshapes, views, expands and slices that return their input's shape unchanged.
+"""Remove reshapes, views, expands, aliases and slices that return their input's shape unchanged.
 
 They are left behind by model code written for any rank and by replacements; removing them lets
 patterns that would otherwise be interrupted by one (norm -> view -> quant) match.
@@ -11,7 +11,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from kiln.passes.base import GraphPass
 
 aten = torch.ops.aten
-SHAPE_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+SHAPE_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+             aten.alias.default}
 
 
 def _value(node) -> torch.Tensor | None:
@@ -40,7 +41,7 @@ def _is_noop(node: fx.Node) -> bool:
 
 
 class NoOpElimination(GraphPass):
-    """view / reshape / expand / slice that change nothing => their input."""
+    """view / reshape / expand / alias / slice that change nothing => their input."""
 
     name = "noop_elimination"
 
