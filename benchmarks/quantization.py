@@ -3,8 +3,10 @@
     python benchmarks/quantization.py [--out results.json] [--skip-accuracy] [--skip-speed] [--compile]
 
 Accuracy (trained demo models, 8 prompts x 64 greedy tokens): free-running agreement (same token at
-the same position; the first near-tie decides every later position), teacher-forced agreement (the
-quantized model's next token given the full-precision prefix) and the worst per-projection error.
+the same position; the first near-tie decides every later position) on the corpus's 8 paragraph
+openings and on the tests' 8 prompts (some one-word: no single right continuation), teacher-forced
+agreement on the latter (the quantized model's next token given the full-precision prefix), and
+the worst per-projection error.
 Speed: a model of Qwen2.5-0.5B's shape with random weights (built here, ~2 GB in fp32), eager or
 compiled, decode step time per batch size for fp32, int8 and fp8, one process, one run.
 """
@@ -32,7 +34,7 @@ QWEN25_05B = dict(
 
 
 def accuracy(work: Path) -> dict:
-    from kiln.models.demo import DEMO_ARCHS, write_demo_model
+    from kiln.models.demo import DEMO_ARCHS, paragraph_openings, write_demo_model
     from tests.oracle import PROMPTS
 
     greedy = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
@@ -48,10 +50,14 @@ def accuracy(work: Path) -> dict:
         reference = full.generate(PROMPTS, greedy)
         for h in hooks:
             h.remove()
+        openings = paragraph_openings()
+        opening_reference = full.generate(openings, greedy)
         for scheme in SCHEMES:
             quant = LLM(model_dir, quantization=scheme)
             free = sum(sum(a == b for a, b in zip(q.token_ids, r.token_ids))
                        for q, r in zip(quant.generate(PROMPTS, greedy), reference))
+            free_openings = sum(sum(a == b for a, b in zip(q.token_ids, r.token_ids))
+                                for q, r in zip(quant.generate(openings, greedy), opening_reference))
             forced = 0
             for r in reference:
                 outs = quant.generate([r.prompt_token_ids + r.token_ids[:i] for i in range(len(r.token_ids))], one)
@@ -64,6 +70,7 @@ def accuracy(work: Path) -> dict:
                 worst = max(worst, err.item())
             total = sum(len(r.token_ids) for r in reference)
             results[f"{arch}/{scheme}"] = {
+                "free_running_agreement_openings": round(free_openings / (64 * len(openings)), 4),
                 "free_running_agreement": round(free / total, 4),
                 "teacher_forced_agreement": round(forced / total, 4),
                 "worst_projection_rel_error": round(worst, 4),

@@ -54,6 +54,8 @@ class PassConfig:
     """RMSNorm (+ residual add) -> activation quant => one fused op."""
     act_quant: bool = True
     """SiLU*Mul -> activation quant => one fused op."""
+    rope_kvcache: bool = True
+    """Rotary embedding -> KV-cache write of the rotated key => one fused op."""
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from kiln.kernels.fused_quant import fused_add_rms_norm_quant, rms_norm_quant, s
 from kiln.kernels.kv_cache import kv_cache_write
 from kiln.kernels.norm import fused_add_rms_norm, rms_norm
 from kiln.kernels.quant import quant_fp8, quant_int8, quantize_weight, scaled_mm
+from kiln.kernels.rope_kv_cache import rotary_embedding_kv_cache_write
 from kiln.kernels.rotary import rope_cos_sin_cache, rotary_embedding
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "rms_norm_quant",
     "rope_cos_sin_cache",
     "rotary_embedding",
+    "rotary_embedding_kv_cache_write",
     "scaled_mm",
     "silu_and_mul",
     "silu_and_mul_quant",

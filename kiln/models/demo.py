@@ -62,6 +62,12 @@ def corpus() -> str:
     return files("kiln.models").joinpath("demo_corpus.txt").read_text()
 
 
+def paragraph_openings(words: int = 6) -> list[str]:
+    """The first words of each paragraph of the corpus: prompts whose continuation a trained demo
+    model knows (a one-word prompt like "A" opens several sentences and has no single answer)."""
+    return [" ".join(p.split()[:words]) for p in corpus().split("\n\n") if p.strip()]
+
+
 def train_tokenizer(vocab_size: int = 512):
     """A byte-level BPE tokenizer trained on the shipped corpus (deterministic)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

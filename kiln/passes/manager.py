@@ -1,6 +1,6 @@
 """The pass pipeline: kiln's passes in the fixed order of DESIGN.md section 4, plus the user's.
 
-Order: no-op elimination, RMSNorm+quant, SiLU*Mul+quant, user passes, dead code. Each pass's match
+Order: no-op elimination, RMSNorm+quant, SiLU*Mul+quant, RoPE+KV write, user passes, dead code. Each pass's match
 count and time are reported; every pass's uuid (and which passes run) is part of the artifact key.
 """
 
@@ -19,6 +19,7 @@ from kiln.passes.cleanup.dead_code import DeadCodeElimination
 from kiln.passes.cleanup.noop_elimination import NoOpElimination
 from kiln.passes.fusion.act_quant import SiluMulQuantFusion
 from kiln.passes.fusion.rms_quant import RMSNormQuantFusion
+from kiln.passes.fusion.rope_kvcache import RopeKVCacheFusion
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class PassManager:
             (config.noop_elimination, NoOpElimination()),
             (config.rms_quant, RMSNormQuantFusion()),
             (config.act_quant, SiluMulQuantFusion()),
+            (config.rope_kvcache, RopeKVCacheFusion()),
         ]
         self.passes: list[GraphPass] = [p for on, p in builtin if on] + list(custom) + [DeadCodeElimination()]
         names = [p.name for p in self.passes]

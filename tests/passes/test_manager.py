@@ -38,9 +38,10 @@ def import_file(path: Path, name: str):
 
 
 def test_pipeline_order_and_switches():
-    assert [p.name for p in PassManager().passes] == ["noop_elimination", "rms_quant", "act_quant", "dead_code"]
+    assert [p.name for p in PassManager().passes] == \
+        ["noop_elimination", "rms_quant", "act_quant", "rope_kvcache", "dead_code"]
     assert [p.name for p in PassManager(PassConfig(rms_quant=False)).passes] == \
-        ["noop_elimination", "act_quant", "dead_code"]
+        ["noop_elimination", "act_quant", "rope_kvcache", "dead_code"]
 
 
 def test_key_follows_the_pass_configuration(quantized_llms):
@@ -48,15 +49,16 @@ def test_key_follows_the_pass_configuration(quantized_llms):
     base = cache_key(model_factors(model, CompileConfig()))
     assert cache_key(model_factors(model, CompileConfig())) == base  # same config twice: same key
     off = {cache_key(model_factors(model, CompileConfig(passes=PassConfig(**{f: False}))))
-           for f in ("noop_elimination", "rms_quant", "act_quant")}
-    assert len(off) == 3 and base not in off
+           for f in ("noop_elimination", "rms_quant", "act_quant", "rope_kvcache")}
+    assert len(off) == 4 and base not in off
 
 
 def test_pipeline_counts_on_the_int8_demo(quantized_llms, traced_graphs):
     traced = fresh(traced_graphs["int8"])
     report = PassManager().run(traced.graph, (1, 2048))
     assert report.matches["rms_quant"] == 8 and report.matches["act_quant"] == 4
-    assert list(report.matches) == ["noop_elimination", "rms_quant", "act_quant", "dead_code"]
+    assert report.matches["rope_kvcache"] == 4
+    assert list(report.matches) == ["noop_elimination", "rms_quant", "act_quant", "rope_kvcache", "dead_code"]
 
 
 def test_noop_elimination_drops_only_what_changes_nothing():

@@ -58,3 +58,15 @@ def test_nothing_to_fuse_without_quantization(traced_graphs):
     assert RMSNormQuantFusion()(traced.graph.graph) == 0
     traced.graph.recompile()
     assert traced.graph.code == before
+
+
+def test_fused_op_keeps_the_models_epsilon():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w):
+        return ops.quant_int8(ops.rms_norm(x, w, 0.01), None)  # traced patterns use 1e-6
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(3, 16), torch.randn(16))
+    assert RMSNormQuantFusion()(gm.graph) == 1
+    fused = next(n for n in gm.graph.nodes if n.target is ops.rms_norm_quant.default)
+    assert fused.args[2] == 0.01

@@ -1,0 +1,49 @@
+"""RoPE+KV-cache write fusion: one site per layer, attention still ordered after the write."""
+
+import operator
+
+import pytest
+import torch
+
+from kiln import SamplingParams
+from kiln.passes import count_ops
+from kiln.passes.fusion.rope_kvcache import RopeKVCacheFusion
+from tests.oracle import PROMPTS
+from tests.passes.conftest import fresh, run_graph
+
+ops = torch.ops.kiln
+PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+
+
+@pytest.mark.parametrize("scheme", [None, "int8"])
+def test_fuses_every_layer_and_keeps_attention_after_the_write(quantized_llms, traced_graphs, scheme):
+    llm, traced = quantized_llms[scheme], fresh(traced_graphs[scheme])
+    layers = llm.model_config.num_layers
+    assert RopeKVCacheFusion()(traced.graph.graph) == layers
+    traced.graph.recompile()
+    graph = traced.graph.graph
+    assert count_ops(graph, ops.rotary_embedding_kv_cache_write) == layers
+    assert count_ops(graph, ops.rotary_embedding) == 0 and count_ops(graph, ops.kv_cache_write) == 0
+    for attention in (n for n in graph.nodes if getattr(n.target, "overloadpacket", None) is ops.attention):
+        token = attention.args[2]  # the write's ordering token
+        assert token.target is operator.getitem and token.args[1] == 1
+        assert token.args[0].target is ops.rotary_embedding_kv_cache_write.default
+        assert attention.args[1] is token.args[0].args[6]  # it reads the cache the fused op writes
+    expected = run_graph(llm, traced_graphs[scheme], PROMPTS, PARAMS)
+    for got, want in zip(run_graph(llm, traced, PROMPTS, PARAMS), expected):
+        assert got.token_ids == want.token_ids
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
+
+
+def test_rotated_key_with_another_user_is_not_fused():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(positions, q, k, v, cos_sin, cache, slots):
+        q2, k2 = ops.rotary_embedding(positions, q, k, cos_sin, True)
+        written = ops.kv_cache_write(k2, v, cache, slots)
+        return q2, written, k2.sum()  # the rotated key is needed elsewhere: fusing would lose it
+
+    args = [torch.arange(4), torch.randn(4, 2, 8), torch.randn(4, 1, 8), torch.randn(4, 1, 8), torch.randn(16, 8),
+            torch.zeros(2, 2, 4, 1, 8), torch.arange(4)]
+    gm = make_fx(f, tracing_mode="fake")(*args)
+    assert RopeKVCacheFusion()(gm.graph) == 0
