@@ -1,6 +1,7 @@
 """The pass pipeline: kiln's passes in the fixed order of DESIGN.md section 4, plus the user's.
 
-Order: no-op elimination, RMSNorm+quant, SiLU*Mul+quant, RoPE+KV write, user passes, dead code. Each pass's match
+Order: no-op elimination, RMSNorm+quant, SiLU*Mul+quant, RoPE+KV write, user passes, lowering,
+dead code. Each pass's match
 count and time are reported; every pass's uuid (and which passes run) is part of the artifact key.
 """
 
@@ -20,6 +21,7 @@ from kiln.passes.cleanup.noop_elimination import NoOpElimination
 from kiln.passes.fusion.act_quant import SiluMulQuantFusion
 from kiln.passes.fusion.rms_quant import RMSNormQuantFusion
 from kiln.passes.fusion.rope_kvcache import RopeKVCacheFusion
+from kiln.passes.lowering import Lowering
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,10 @@ class PassManager:
             (config.act_quant, SiluMulQuantFusion()),
             (config.rope_kvcache, RopeKVCacheFusion()),
         ]
-        self.passes: list[GraphPass] = [p for on, p in builtin if on] + list(custom) + [DeadCodeElimination()]
+        self.passes: list[GraphPass] = [p for on, p in builtin if on] + list(custom)
+        if config.lowering:
+            self.passes.append(Lowering())
+        self.passes.append(DeadCodeElimination())
         names = [p.name for p in self.passes]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:

@@ -1,0 +1,80 @@
+"""After fusion: each remaining kiln op that has no kernel of its own on this platform becomes its
+native torch form, which Inductor then fuses with its neighbours into one generated loop.
+
+Kept as ops: the attention (the split point), the cache writes (mutations that order the attention)
+and `scaled_mm` (a library matmul either way). On CUDA the Triton kernels of the CUDA issue will
+be chosen here instead, op by op, by measurement.
+"""
+
+import torch
+
+from kiln.kernels.activation import silu_and_mul_native
+from kiln.kernels.norm import fused_add_rms_norm_native, rms_norm_native
+from kiln.kernels.quant import quant_native
+from kiln.kernels.rotary import rotary_embedding_native
+from kiln.passes.base import Pattern, PatternPass
+from kiln.passes.fusion.quant_kinds import QUANT_KINDS, QuantKind
+
+ops = torch.ops.kiln
+EPS = {"eps": 1e-6}
+
+
+def _norms() -> list[Pattern]:
+    x, res, w = torch.empty(4, 16), torch.empty(4, 16), torch.empty(16)
+    return [
+        Pattern(lambda x, weight, eps: ops.rms_norm(x, weight, eps), rms_norm_native, [x, w], EPS),
+        Pattern(lambda x, residual, weight, eps: ops.fused_add_rms_norm(x, residual, weight, eps),
+                fused_add_rms_norm_native, [x, res, w], EPS),
+        Pattern(lambda x, residual, weight, eps: ops.fused_add_rms_norm(x, residual, weight, eps)[0],  # final norm
+                lambda x, residual, weight, eps: fused_add_rms_norm_native(x, residual, weight, eps)[0],
+                [x, res, w], EPS),
+        Pattern(lambda x: ops.silu_and_mul(x), silu_and_mul_native, [torch.empty(4, 32)]),
+    ]
+
+
+def _rotary() -> Pattern:
+    examples = [torch.arange(4), torch.empty(4, 2, 8), torch.empty(4, 1, 8), torch.empty(16, 8)]
+    return Pattern(lambda positions, q, k, cache, is_neox: ops.rotary_embedding(positions, q, k, cache, is_neox),
+                   rotary_embedding_native, examples, {"is_neox": True})
+
+
+def _quantized(kind: QuantKind) -> list[Pattern]:
+    """The plain quant op and the three fused ones, for one quantization kind."""
+    x, res, w, gate_up, s = torch.empty(4, 16), torch.empty(4, 16), torch.empty(16), torch.empty(4, 32), torch.empty(1)
+    d = kind.dtype
+
+    def fused_add(x, residual, weight, eps, scale=None):
+        normed, new_residual = fused_add_rms_norm_native(x, residual, weight, eps)
+        return (*quant_native(normed, scale, d), new_residual)
+
+    if kind.static:
+        return [
+            Pattern(lambda x, scale: kind.op(x, scale), lambda x, scale: quant_native(x, scale, d), [x, s]),
+            Pattern(lambda x, weight, scale, eps: ops.rms_norm_quant(x, weight, eps, d, scale),
+                    lambda x, weight, scale, eps: quant_native(rms_norm_native(x, weight, eps), scale, d),
+                    [x, w, s], EPS),
+            Pattern(lambda x, residual, weight, scale, eps: ops.fused_add_rms_norm_quant(x, residual, weight, eps, d,
+                                                                                         scale),
+                    lambda x, residual, weight, scale, eps: fused_add(x, residual, weight, eps, scale),
+                    [x, res, w, s], EPS),
+            Pattern(lambda x, scale: ops.silu_and_mul_quant(x, d, scale),
+                    lambda x, scale: quant_native(silu_and_mul_native(x), scale, d), [gate_up, s]),
+        ]
+    return [
+        Pattern(lambda x: kind.op(x, None), lambda x: quant_native(x, None, d), [x]),
+        Pattern(lambda x, weight, eps: ops.rms_norm_quant(x, weight, eps, d, None),
+                lambda x, weight, eps: quant_native(rms_norm_native(x, weight, eps), None, d), [x, w], EPS),
+        Pattern(lambda x, residual, weight, eps: ops.fused_add_rms_norm_quant(x, residual, weight, eps, d, None),
+                lambda x, residual, weight, eps: fused_add(x, residual, weight, eps), [x, res, w], EPS),
+        Pattern(lambda x: ops.silu_and_mul_quant(x, d, None),
+                lambda x: quant_native(silu_and_mul_native(x), None, d), [gate_up]),
+    ]
+
+
+class Lowering(PatternPass):
+    """kiln ops with a native torch form => that form, for Inductor to fuse (CPU)."""
+
+    name = "lowering"
+
+    def patterns(self) -> list[Pattern]:
+        return [*_norms(), _rotary(), *(p for kind in QUANT_KINDS for p in _quantized(kind))]
