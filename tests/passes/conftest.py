@@ -3,12 +3,14 @@
 import copy
 
 import pytest
+import torch
 
-from kiln import LLM
+from kiln import LLM, SamplingParams
 from kiln.compiler.program import CompiledProgram
 from kiln.compiler.trace import TracedBackbone, trace_backbone
 from kiln.config import EngineConfig
 from kiln.runtime.engine import Engine
+from tests.oracle import PROMPTS
 from tests.quant_checkpoints import calibrate, write_compressed
 
 SCHEMES = ["int8", "fp8", "int8-static", "fp8-static"]
@@ -46,3 +48,11 @@ def run_graph(llm: LLM, traced: TracedBackbone, prompts, params):
         return llm.generate(prompts, params)
     finally:
         llm.engine = saved
+
+
+def assert_same_outputs(llm: LLM, rewritten: TracedBackbone, original: TracedBackbone) -> None:
+    """Greedy tokens identical and logprobs within 1e-5: the rewrite kept the graph's meaning."""
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    for got, want in zip(run_graph(llm, rewritten, PROMPTS, params), run_graph(llm, original, PROMPTS, params)):
+        assert got.token_ids == want.token_ids
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)

@@ -3,14 +3,11 @@
 import pytest
 import torch
 
-from kiln import SamplingParams
 from kiln.passes import count_ops
 from kiln.passes.fusion.act_quant import SiluMulQuantFusion
-from tests.oracle import PROMPTS
-from tests.passes.conftest import SCHEMES, fresh, run_graph
+from tests.passes.conftest import assert_same_outputs, SCHEMES, fresh, run_graph
 
 ops = torch.ops.kiln
-PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -24,10 +21,7 @@ def test_fuses_every_activation_before_down_proj(quantized_llms, traced_graphs, 
     graph = traced.graph.graph
     assert count_ops(graph, ops.silu_and_mul_quant) == layers and count_ops(graph, ops.silu_and_mul) == 0
     assert count_ops(graph, quant) == quants_before - layers
-    expected = run_graph(llm, traced_graphs[scheme], PROMPTS, PARAMS)
-    for got, want in zip(run_graph(llm, traced, PROMPTS, PARAMS), expected):
-        assert got.token_ids == want.token_ids
-        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
+    assert_same_outputs(llm, traced, traced_graphs[scheme])
 
 
 def test_unquantized_activation_is_left_alone(traced_graphs):

@@ -3,15 +3,12 @@
 import pytest
 import torch
 
-from kiln import SamplingParams
 from kiln.passes import count_ops
 from kiln.passes.fusion.rms_quant import RMSNormQuantFusion
-from tests.oracle import PROMPTS
-from tests.passes.conftest import SCHEMES, fresh, run_graph
+from tests.passes.conftest import assert_same_outputs, SCHEMES, fresh, run_graph
 
 ops = torch.ops.kiln
 QUANTS = (ops.quant_int8, ops.quant_fp8)
-PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
 
 
 def unfused_sites(graph) -> int:
@@ -46,10 +43,7 @@ def test_fuses_every_norm_before_a_projection(quantized_llms, traced_graphs, sch
     fused = [n for n in graph.nodes if getattr(n.target, "overloadpacket", None) is ops.fused_add_rms_norm_quant]
     assert all(((len(n.args) > 5 and n.args[5] is not None) or n.kwargs.get("scale") is not None) == static
                for n in fused)
-    expected = run_graph(llm, traced_graphs[scheme], PROMPTS, PARAMS)
-    for got, want in zip(run_graph(llm, traced, PROMPTS, PARAMS), expected):
-        assert got.token_ids == want.token_ids
-        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
+    assert_same_outputs(llm, traced, traced_graphs[scheme])
 
 
 def test_nothing_to_fuse_without_quantization(traced_graphs):

@@ -5,14 +5,11 @@ import operator
 import pytest
 import torch
 
-from kiln import SamplingParams
 from kiln.passes import count_ops
 from kiln.passes.fusion.rope_kvcache import RopeKVCacheFusion
-from tests.oracle import PROMPTS
-from tests.passes.conftest import fresh, run_graph
+from tests.passes.conftest import assert_same_outputs, fresh, run_graph
 
 ops = torch.ops.kiln
-PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
 
 
 @pytest.mark.parametrize("scheme", [None, "int8"])
@@ -29,10 +26,7 @@ def test_fuses_every_layer_and_keeps_attention_after_the_write(quantized_llms, t
         assert token.target is operator.getitem and token.args[1] == 1
         assert token.args[0].target is ops.rotary_embedding_kv_cache_write.default
         assert attention.args[1] is token.args[0].args[6]  # it reads the cache the fused op writes
-    expected = run_graph(llm, traced_graphs[scheme], PROMPTS, PARAMS)
-    for got, want in zip(run_graph(llm, traced, PROMPTS, PARAMS), expected):
-        assert got.token_ids == want.token_ids
-        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
+    assert_same_outputs(llm, traced, traced_graphs[scheme])
 
 
 def test_rotated_key_with_another_user_is_not_fused():
