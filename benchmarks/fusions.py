@@ -10,7 +10,6 @@ artifact, alternating them three times in one process (best median each).
 """
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kiln.kernels  # noqa: E402,F401
+from harness import decode_step_seconds, emit, machine  # noqa: E402  (benchmarks/ is the script's dir)
 
 ops = torch.ops.kiln
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 896, 4864, 14, 2, 64
@@ -75,24 +75,6 @@ def ops_benchmark(token_counts: list[int]) -> dict:
     return results
 
 
-def _decode_step_seconds(llm, batch: int, steps: int) -> float:
-    """Median time of one decode step of `batch` sequences (the prefill step excluded)."""
-    from kiln import SamplingParams
-
-    prompts = [[(5 * b + i) % 400 + 1 for i in range(16)] for b in range(batch)]
-    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
-    engine, times, first = llm.engine, [], True
-    for p in prompts:
-        engine.add_request(p, params)
-    while engine.has_unfinished():
-        start = time.perf_counter()
-        engine.step()
-        if not first:
-            times.append(time.perf_counter() - start)
-        first = False
-    return statistics.median(times)
-
-
 def e2e_benchmark(work: Path, batch: int, steps: int) -> dict:
     from kiln import LLM
     from kiln.config import CompileConfig, PassConfig
@@ -108,7 +90,7 @@ def e2e_benchmark(work: Path, batch: int, steps: int) -> dict:
     medians: dict[str, list[float]] = {name: [] for name in llms}
     for _ in range(3):  # alternate the configurations so warm-up and drift hit both alike
         for name, llm in llms.items():
-            medians[name].append(_decode_step_seconds(llm, batch, steps))
+            medians[name].append(decode_step_seconds(llm, batch, steps, prompt_len=16, vocab=400))
     results = {name: {"decode_step_ms": round(min(m) * 1e3, 3)} for name, m in medians.items()}
     print(results, flush=True)
     on = results["passes_on"]["decode_step_ms"]
@@ -125,16 +107,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="decode batch for the end-to-end part (default 4)")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed (default 32)")
     args = parser.parse_args()
-    results: dict = {"machine": {"threads": torch.get_num_threads(), "torch": torch.__version__,
-                                 "cpu_capability": torch.backends.cpu.get_cpu_capability()}}
+    results: dict = {"machine": machine()}
     results["ops"] = ops_benchmark([int(t) for t in args.tokens.split(",")])
     if not args.skip_e2e:
         with tempfile.TemporaryDirectory(prefix="kiln-bench-fusions-") as tmp:
             results["decode_int8_demo"] = e2e_benchmark(Path(tmp), args.batch, args.steps)
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    emit(results, args.out)
 
 
 if __name__ == "__main__":

@@ -12,17 +12,15 @@ compiled, decode step time per batch size for fp32, int8 and fp8, one process, o
 """
 
 import argparse
-import json
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.oracle's prompts
 
+from harness import decode_step_seconds, emit, machine  # noqa: E402  (benchmarks/ is the script's dir)
 from kiln import LLM, SamplingParams  # noqa: E402
 from kiln.models.quantization import SCHEMES, QuantLinear  # noqa: E402
 
@@ -95,23 +93,6 @@ def write_05b_model(out: Path) -> Path:
     return out
 
 
-def decode_step_seconds(llm: LLM, batch: int, steps: int, prompt_len: int = 32) -> float:
-    """Median wall time of one decode step for `batch` running sequences (prefill excluded)."""
-    prompts = [[(7 * b + i) % 1000 + 10 for i in range(prompt_len)] for b in range(batch)]
-    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
-    engine = llm.engine
-    for p in prompts:
-        engine.add_request(p, params)
-    times, first = [], True
-    while engine.has_unfinished():
-        start = time.perf_counter()
-        engine.step()
-        if not first:  # the first step is the prefill
-            times.append(time.perf_counter() - start)
-        first = False
-    return statistics.median(times)
-
-
 def speed(work: Path, batches: list[int], steps: int, compile: bool) -> dict:
     model_dir = write_05b_model(work / "qwen2.5-0.5b-shape")
     results = {}
@@ -138,8 +119,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per batch (default 16)")
     args = parser.parse_args()
 
-    results: dict = {"machine": {"threads": torch.get_num_threads(), "torch": torch.__version__,
-                                 "cpu_capability": torch.backends.cpu.get_cpu_capability()}}
+    results: dict = {"machine": machine()}
     with tempfile.TemporaryDirectory(prefix="kiln-bench-quant-") as tmp:
         if not args.skip_accuracy:
             results["accuracy"] = accuracy(Path(tmp))
@@ -147,10 +127,7 @@ def main() -> None:
             batches = [int(b) for b in args.batches.split(",")]
             results["decode_0.5b"] = speed(Path(tmp), batches, args.steps, args.compile)
             results["decode_0.5b"]["compiled"] = args.compile
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    emit(results, args.out)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ op (`torch.ops.kiln.*.default`) is a single node and each node's `meta["val"]` h
 A pass's `uuid()` is part of the artifact key, so editing a pass rebuilds the artifacts it shaped.
 """
 
+import functools
 import hashlib
 import inspect
 import sys
@@ -81,20 +82,19 @@ class PatternPass(GraphPass):
     def example_inputs(self) -> Sequence[Any]:
         raise NotImplementedError(f"{type(self).__name__} must define example_inputs() or patterns()")
 
+    @functools.cached_property
     def _matcher(self):
-        matcher = self.__dict__.get("_compiled_matcher")
-        if matcher is None:
-            from torch._inductor.pattern_matcher import PatternMatcherPass, fwd_only, register_replacement
+        """The patterns, traced and registered once per pass object (on first use: Inductor's import)."""
+        from torch._inductor.pattern_matcher import PatternMatcherPass, fwd_only, register_replacement
 
-            matcher = PatternMatcherPass(pass_name=self.name)
-            for p in self.patterns():
-                register_replacement(p.search, p.replace, list(p.example_inputs), fwd_only, matcher,
-                                     scalar_workaround=dict(p.scalars) or None)
-            self.__dict__["_compiled_matcher"] = matcher
+        matcher = PatternMatcherPass(pass_name=self.name)
+        for p in self.patterns():
+            register_replacement(p.search, p.replace, list(p.example_inputs), fwd_only, matcher,
+                                 scalar_workaround=dict(p.scalars) or None)
         return matcher
 
     def __call__(self, graph: fx.Graph) -> int:
-        return self._matcher().apply(graph)
+        return self._matcher.apply(graph)
 
 
 def count_ops(graph: fx.Graph, op: torch._ops.OpOverloadPacket) -> int:

@@ -1,0 +1,39 @@
+"""What every kiln benchmark shares: the machine it ran on, decode-step timing, the JSON it prints."""
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def machine() -> dict:
+    return {"threads": torch.get_num_threads(), "torch": torch.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def decode_step_seconds(llm, batch: int, steps: int, prompt_len: int = 32, vocab: int = 1000) -> float:
+    """Median wall time of one engine step with `batch` sequences decoding (the prefill step excluded)."""
+    from kiln import SamplingParams
+
+    prompts = [[(7 * b + i) % vocab + 1 for i in range(prompt_len)] for b in range(batch)]
+    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    engine, times, first = llm.engine, [], True
+    for p in prompts:
+        engine.add_request(p, params)
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()
+        if not first:
+            times.append(time.perf_counter() - start)
+        first = False
+    return statistics.median(times)
+
+
+def emit(results: dict, out: Path | None) -> None:
+    """Print the results as JSON, and write them to `out` too when given."""
+    text = json.dumps(results, indent=2)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
