@@ -49,6 +49,14 @@ def op_pairs(tokens: int) -> dict[str, tuple]:
     cos_sin = torch.randn(4096, HEAD_DIM)
     cache = torch.zeros(2, (tokens + 15) // 16, 16, KV_HEADS, HEAD_DIM)
     slots = torch.arange(tokens)
+    # attention: `tokens` decoding sequences of 128 cached tokens each
+    ctx = 128
+    kv = torch.randn(2, tokens * ctx // 16, 16, KV_HEADS, HEAD_DIM)
+    starts = torch.arange(tokens + 1, dtype=torch.int32)
+    seq_lens = torch.full((tokens,), ctx, dtype=torch.int32)
+    tables = torch.arange(tokens * ctx // 16, dtype=torch.int32).reshape(tokens, ctx // 16)
+    done = kv.new_empty(0)
+    attn = (q, kv, done, starts, seq_lens, tables, HEAD_DIM ** -0.5, 0)
     return {
         "rms_norm+quant_int8": (lambda: ops.quant_int8(ops.rms_norm(x, w, 1e-6), None),
                                 lambda: ops.rms_norm_quant(x, w, 1e-6, torch.int8, None)),
@@ -60,6 +68,9 @@ def op_pairs(tokens: int) -> dict[str, tuple]:
         "rotary+kv_cache_write": (
             lambda: ops.kv_cache_write(ops.rotary_embedding(positions, q, k, cos_sin, True)[1], v, cache, slots),
             lambda: ops.rotary_embedding_kv_cache_write(positions, q, k, v, cos_sin, True, cache, slots)),
+        "attention+quant_int8_static": (
+            lambda: ops.quant_int8(ops.attention(*attn).view(tokens, -1), scale),
+            lambda: ops.attention_quant(*attn, torch.int8, scale)),
     }
 
 
@@ -82,9 +93,11 @@ def e2e_benchmark(work: Path, batch: int, steps: int) -> dict:
 
     model_dir = write_demo_model(work / "demo", train_steps=0)
     configs = {"passes_on": CompileConfig(),
-               "fusions_off": CompileConfig(passes=PassConfig(rms_quant=False, act_quant=False, rope_kvcache=False)),
+               "fusions_off": CompileConfig(passes=PassConfig(rms_quant=False, act_quant=False, rope_kvcache=False,
+                                                             attn_quant=False)),
                "no_passes": CompileConfig(passes=PassConfig(noop_elimination=False, rms_quant=False, act_quant=False,
-                                                            rope_kvcache=False, lowering=False))}
+                                                            rope_kvcache=False, attn_quant=False,
+                                                            lowering=False))}
     llms = {name: LLM(model_dir, quantization="int8", compile=True, cache_dir=work / "cache", compile_config=config)
             for name, config in configs.items()}
     medians: dict[str, list[float]] = {name: [] for name in llms}

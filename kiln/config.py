@@ -56,6 +56,8 @@ class PassConfig:
     """SiLU*Mul -> activation quant => one fused op."""
     rope_kvcache: bool = True
     """Rotary embedding -> KV-cache write of the rotated key => one fused op."""
+    attn_quant: bool = True
+    """Attention -> static quant of its output => attention writing quantized output."""
     lowering: bool = True
     """After fusion, kiln ops with a native torch form become that form, for Inductor to fuse."""
 

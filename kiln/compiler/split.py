@@ -1,6 +1,7 @@
 """Cut the traced graph at attention: L layers give 2L+1 pieces, of which the L+1 between
 attentions are compiled and the attentions run eagerly (and, on CUDA, outside CUDA graphs)."""
 
+import operator
 import textwrap
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ from torch.fx.passes.split_module import split_module
 
 import kiln.kernels  # noqa: F401
 
-SPLITTING_OPS: set = {torch.ops.kiln.attention}
+SPLITTING_OPS: set = {torch.ops.kiln.attention, torch.ops.kiln.attention_quant}
 """Op packets to cut at; register more with `add_splitting_op`."""
 
 
@@ -18,8 +19,8 @@ def add_splitting_op(op: torch._ops.OpOverloadPacket) -> None:
     SPLITTING_OPS.add(op)
 
 
-def _is_splitting(node: fx.Node) -> bool:
-    if node.op != "call_function":
+def _is_splitting(node: object) -> bool:
+    if not isinstance(node, fx.Node) or node.op != "call_function":
         return False
     packet = getattr(node.target, "overloadpacket", node.target)
     return packet in SPLITTING_OPS
@@ -40,6 +41,8 @@ def split_graph(graph: fx.GraphModule) -> tuple[fx.GraphModule, list[Piece]]:
         if _is_splitting(node):
             counter[0] += 2
             return counter[0] - 1
+        if node.target is operator.getitem and _is_splitting(node.args[0]):
+            return counter[0] - 1  # a splitting op's tuple output is unpacked in its own piece
         return counter[0]
 
     stitched = split_module(graph, None, partition, keep_original_order=True)

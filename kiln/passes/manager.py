@@ -1,8 +1,7 @@
 """The pass pipeline: kiln's passes in the fixed order of DESIGN.md section 4, plus the user's.
 
-Order: no-op elimination, RMSNorm+quant, SiLU*Mul+quant, RoPE+KV write, user passes, lowering,
-dead code. Each pass's match
-count and time are reported; every pass's uuid (and which passes run) is part of the artifact key.
+Order: no-op elimination, RMSNorm+quant, SiLU*Mul+quant, RoPE+KV write, attention+quant, user
+passes, lowering, dead code. Each pass's match count and time are reported; every pass's uuid (and which passes run) is part of the artifact key.
 """
 
 import importlib
@@ -19,6 +18,7 @@ from kiln.passes.base import GraphPass, SizeRange
 from kiln.passes.cleanup.dead_code import DeadCodeElimination
 from kiln.passes.cleanup.noop_elimination import NoOpElimination
 from kiln.passes.fusion.act_quant import SiluMulQuantFusion
+from kiln.passes.fusion.attn_quant import AttentionQuantFusion
 from kiln.passes.fusion.rms_quant import RMSNormQuantFusion
 from kiln.passes.fusion.rope_kvcache import RopeKVCacheFusion
 from kiln.passes.lowering import Lowering
@@ -63,6 +63,7 @@ class PassManager:
             (config.rms_quant, RMSNormQuantFusion()),
             (config.act_quant, SiluMulQuantFusion()),
             (config.rope_kvcache, RopeKVCacheFusion()),
+            (config.attn_quant, AttentionQuantFusion()),
         ]
         self.passes: list[GraphPass] = [p for on, p in builtin if on] + list(custom)
         if config.lowering:

@@ -39,9 +39,9 @@ def import_file(path: Path, name: str):
 
 def test_pipeline_order_and_switches():
     assert [p.name for p in PassManager().passes] == \
-        ["noop_elimination", "rms_quant", "act_quant", "rope_kvcache", "lowering", "dead_code"]
+        ["noop_elimination", "rms_quant", "act_quant", "rope_kvcache", "attn_quant", "lowering", "dead_code"]
     assert [p.name for p in PassManager(PassConfig(rms_quant=False)).passes] == \
-        ["noop_elimination", "act_quant", "rope_kvcache", "lowering", "dead_code"]
+        ["noop_elimination", "act_quant", "rope_kvcache", "attn_quant", "lowering", "dead_code"]
 
 
 def test_key_follows_the_pass_configuration(quantized_llms):
@@ -49,8 +49,8 @@ def test_key_follows_the_pass_configuration(quantized_llms):
     base = cache_key(model_factors(model, CompileConfig()))
     assert cache_key(model_factors(model, CompileConfig())) == base  # same config twice: same key
     off = {cache_key(model_factors(model, CompileConfig(passes=PassConfig(**{f: False}))))
-           for f in ("noop_elimination", "rms_quant", "act_quant", "rope_kvcache", "lowering")}
-    assert len(off) == 5 and base not in off
+           for f in ("noop_elimination", "rms_quant", "act_quant", "rope_kvcache", "attn_quant", "lowering")}
+    assert len(off) == 6 and base not in off
 
 
 def test_pipeline_counts_on_the_int8_demo(quantized_llms, traced_graphs):
@@ -58,13 +58,14 @@ def test_pipeline_counts_on_the_int8_demo(quantized_llms, traced_graphs):
     report = PassManager().run(traced.graph, (1, 2048))
     assert report.matches["rms_quant"] == 8 and report.matches["act_quant"] == 4
     assert report.matches["rope_kvcache"] == 4
+    assert report.matches["attn_quant"] == 0  # per-token quant of the attention output stays unfused
     # lowered: 8 fused norms + 4 fused activations + 4 o_proj input quants + the final norm
     assert report.matches["lowering"] == 17
     kiln_ops = {str(n.target) for n in traced.graph.graph.nodes if str(n.target).startswith("kiln.")}
     assert kiln_ops == {"kiln.attention.default", "kiln.rotary_embedding_kv_cache_write.default",
                         "kiln.scaled_mm.default"}
     assert list(report.matches) == \
-        ["noop_elimination", "rms_quant", "act_quant", "rope_kvcache", "lowering", "dead_code"]
+        ["noop_elimination", "rms_quant", "act_quant", "rope_kvcache", "attn_quant", "lowering", "dead_code"]
 
 
 def test_noop_elimination_drops_only_what_changes_nothing():
