@@ -32,7 +32,8 @@ def _compile_config(args: argparse.Namespace):
     from kiln.config import CompileConfig, PassConfig
 
     passes = PassConfig(**{name.replace("-", "_"): False for name in args.disable_pass or []})
-    return CompileConfig(max_num_tokens=args.max_num_tokens, sizes=args.sizes, passes=passes)
+    return CompileConfig(max_num_tokens=args.max_num_tokens, sizes=args.sizes, range_splits=args.range_splits,
+                         passes=passes)
 
 
 def _custom_passes(args: argparse.Namespace) -> list:
@@ -75,11 +76,21 @@ def _cmd_compile(args: argparse.Namespace) -> None:
         for stage, seconds in result.timings.items():
             print(f"{stage:<10}{seconds:>10.2f}")
         print(f"{'total':<10}{time.perf_counter() - start:>10.2f}\n")
-    width = max(len(name) for name in [*result.pass_matches, "pass"]) + 2
-    print(f"{'pass':<{width}}{'matches':>8}")
-    for name, matches in result.pass_matches.items():
-        print(f"{name:<{width}}{'-' if matches is None else matches:>8}")
+    _print_matches(result.pass_matches)
     print(result.path)
+
+
+def _print_matches(by_variant: dict[str, dict[str, int | None]]) -> None:
+    """One column of match counts per variant (headed by its token counts when there are several);
+    "-" for a pass that does not apply to that variant's sizes."""
+    names = list(dict.fromkeys(name for matches in by_variant.values() for name in matches))
+    heads = ["matches"] if len(by_variant) == 1 else [f"tokens {label}" for label in by_variant]
+    width = max(len(name) for name in [*names, "pass"]) + 2
+    cols = [max(8, len(h) + 2) for h in heads]
+    print(f"{'pass':<{width}}" + "".join(f"{h:>{c}}" for h, c in zip(heads, cols)))
+    for name in names:
+        cells = [matches.get(name) for matches in by_variant.values()]
+        print(f"{name:<{width}}" + "".join(f"{'-' if m is None else m:>{c}}" for m, c in zip(cells, cols)))
 
 
 def _cmd_generate(args: argparse.Namespace) -> None:
@@ -131,10 +142,35 @@ def _add_compile_options(parser: argparse.ArgumentParser) -> None:
                         "activations per token (default: none)")
     parser.add_argument("--sizes", type=_sizes, default=(), metavar="N,N,...", help="token counts that also get "
                         "a static-shape compile, e.g. 1,2,4,8 (default: none)")
+    parser.add_argument("--range-splits", type=_sizes, default=(), metavar="N,N,...", help="cut the dynamic "
+                        "token range after these counts, e.g. 64 gives 1-64 and 65-max, for passes that apply "
+                        "to some sizes only (default: one range)")
     parser.add_argument("--pass", dest="passes", action="append", metavar="MODULE:NAME", help="add your own "
                         "graph pass (a kiln.passes.GraphPass subclass), run after kiln's fusions; repeatable")
     parser.add_argument("--disable-pass", action="append", choices=pass_names, metavar="NAME",
                         help=f"turn off one of kiln's passes ({', '.join(pass_names)}); repeatable")
+
+
+def _cmd_serve(args: argparse.Namespace) -> None:
+    from kiln import LLM
+    from kiln.runtime.server import serve
+
+    compiled = args.artifact != "eager"
+    llm = LLM(
+        args.model_dir,
+        dtype=args.dtype,
+        compile=compiled or args.require_artifact,
+        cache_dir=args.cache_dir,
+        require_artifact=args.require_artifact,
+        compile_config=_compile_config(args),
+        quantization=args.quantization,
+        passes=_custom_passes(args),
+        artifact=None if args.artifact in ("auto", "eager") else args.artifact,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_tokens,
+    )
+    serve(llm, args.host, args.port, args.served_model_name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,6 +217,29 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--force", action="store_true", help="compile even if a valid artifact is present")
     comp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     comp.set_defaults(func=_cmd_compile)
+
+    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API", description="Load the model and its "
+                         "compiled artifact (compiling it first if absent, unless --require-artifact) and serve "
+                         "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics with continuous "
+                         "batching. Logs each start-up stage with -v.")
+    srv.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model directory (config.json, "
+                     "*.safetensors, tokenizer.json)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    srv.add_argument("--artifact", default="auto", metavar="auto|eager|PATH", help="auto: the cached artifact "
+                     "for this model and options (default); eager: no compiled artifact; PATH: that artifact")
+    srv.add_argument("--require-artifact", action="store_true", help="fail if the artifact is absent or unusable "
+                     "instead of compiling")
+    srv.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: the "
+                     "model directory's name)")
+    srv.add_argument("--max-model-len", type=_at_least(2), metavar="N", help="prompt + generated tokens per "
+                     "request (default: the model's max_position_embeddings)")
+    srv.add_argument("--max-num-seqs", type=_at_least(1), default=64, metavar="N", help="requests running at "
+                     "once; more wait (default 64)")
+    srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and "
+                     "activations dtype (default float32)")
+    _add_compile_options(srv)
+    srv.set_defaults(func=_cmd_serve)
 
     demo = sub.add_parser("demo-model", help="write a tiny model kiln can run (nothing is downloaded)",
                           description="Write a tiny Hugging Face-format model and a byte-level BPE tokenizer, "

@@ -72,6 +72,9 @@ class CompileConfig:
     max_num_batched_tokens may not exceed it."""
     sizes: tuple[int, ...] = field(default_factory=tuple)
     """Token counts that also get a static-shape compile of every piece (others use the dynamic one)."""
+    range_splits: tuple[int, ...] = field(default_factory=tuple)
+    """Token counts that cut [1, max_num_tokens] into ranges: (64,) gives [1, 64] and [65, max]. A pass
+    may apply to some ranges only (`GraphPass.applies_to`); ranges whose passes agree share one graph."""
     passes: PassConfig = field(default_factory=PassConfig)
     """kiln's graph passes, on or off."""
 
@@ -82,6 +85,16 @@ class CompileConfig:
         if bad:
             raise KilnError(f"static sizes {bad} are outside [1, max_num_tokens={self.max_num_tokens}]")
         object.__setattr__(self, "sizes", tuple(sorted(set(self.sizes))))
+        bad = [s for s in self.range_splits if not 1 <= s < self.max_num_tokens]
+        if bad:
+            raise KilnError(f"range splits {bad} are outside [1, max_num_tokens={self.max_num_tokens})")
+        object.__setattr__(self, "range_splits", tuple(sorted(set(self.range_splits))))
+
+    def dynamic_ranges(self) -> list[tuple[int, int]]:
+        """[1, max_num_tokens] cut at `range_splits`: with each static size as a range of one, the
+        units a pass's `applies_to` is asked about."""
+        bounds = [0, *self.range_splits, self.max_num_tokens]
+        return [(a + 1, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def default_cache_dir() -> Path:

@@ -2,11 +2,14 @@
 
 ```
 <cache>/<key>/
-  manifest.json    format, versions, system, key factors, input contract, pieces, kernels, timings
-  program.py       the stitching code (plain Python calling pieces and attention in order)
+  manifest.json    format, versions, system, key factors, input contract, variants, kernels, timings
+  programs/<i>.py  variant i's stitching code (plain Python calling pieces and attention in order)
   blobs/<sha256>   one per unique compiled piece and size (Inductor's serialized output)
   kernels/<k>.so   the built C++ kernels those pieces call, named by the content of their source
 ```
+
+A variant is the backbone as one pass pipeline shaped it, for the token counts it serves (size
+ranges and static sizes). There is one unless a pass applies to some sizes only.
 
 Loading runs neither Dynamo nor a C++ compiler; this module is what the runtime may import.
 """
@@ -30,15 +33,15 @@ import kiln
 from kiln.compiler import kernel_store
 from kiln.compiler.counters import counters
 from kiln.compiler.key import python_version, system_info
-from kiln.compiler.program import CompiledProgram, GraphInput, SizedPiece, load_program
+from kiln.compiler.program import ByTokenCount, CompiledProgram, GraphInput, SizedPiece, load_program
 from kiln.config import dtype_name
 from kiln.errors import KilnError
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
-PROGRAM = "program.py"
+PROGRAMS = "programs"
 RECOMPILE = "run `kiln compile` again"
 
 
@@ -70,8 +73,20 @@ def _entry(path: Path) -> dict:
 
 
 def _blob_entries(manifest: dict) -> list[dict]:
-    """Each distinct blob the pieces use, once (identical layers share theirs)."""
-    return list({e["sha256"]: e for p in manifest["pieces"].values() for e in p["sizes"].values()}.values())
+    """Each distinct blob the pieces use, once (identical layers and variants share theirs)."""
+    return list({e["sha256"]: e for v in manifest["variants"] for p in v["pieces"].values()
+                 for e in p["sizes"].values()}.values())
+
+
+def variant_label(ranges: list, sizes: list) -> str:
+    """"1-64,128": the token counts a variant serves."""
+    return ",".join([f"{lo}-{hi}" for lo, hi in ranges] + [str(s) for s in sizes])
+
+
+def pass_matches(manifest: dict) -> dict[str, dict[str, int | None]]:
+    """Variant label -> pass name -> matches, as `kiln compile` reports them."""
+    return {variant_label(v["ranges"], v["sizes"]): {p["name"]: p["matches"] for p in v["passes"]}
+            for v in manifest["variants"]}
 
 
 def _write_file(path: Path, data: bytes) -> dict:
@@ -83,35 +98,40 @@ def save(
     path: Path,
     *,
     factors: dict,
-    program: str,
     inputs: list[dict],
-    pieces: dict,
+    variants: list[dict],
     kernels: dict[str, Path],
     info: dict,
 ) -> None:
     """Write the artifact into a temporary sibling of `path`, then move it into place in one step.
 
-    `pieces` maps piece name -> an object with `compiled` ({size or None: Inductor artifact}),
-    `tokens` and `returns_tuple`; `kernels` maps content key -> built library.
+    Each of `variants` has `ranges`, `sizes`, `program` (source), `passes` (report entries) and
+    `pieces`: piece name -> an object with `compiled` ({size or None: Inductor artifact}), `tokens`
+    and `returns_tuple`. `kernels` maps content key -> built library.
     """
     path = Path(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
     try:
-        (tmp / "blobs").mkdir()
-        (tmp / "kernels").mkdir()
+        for folder in ("blobs", "kernels", PROGRAMS):
+            (tmp / folder).mkdir()
         blob_of: dict[int, dict] = {}  # id(Inductor artifact) -> blob entry; identical pieces share
-        entries = {}
-        for name, build in pieces.items():
-            sizes = {}
-            for size, compiled in build.compiled.items():
-                if id(compiled) not in blob_of:
-                    staged = tmp / "blobs" / "staged"
-                    compiled.save(path=str(staged), format="binary")
-                    blob_of[id(compiled)] = entry = _entry(staged)
-                    os.replace(staged, tmp / "blobs" / entry["sha256"])
-                    counters["blobs_saved"] += 1
-                sizes["dynamic" if size is None else str(size)] = blob_of[id(compiled)]
-            entries[name] = {"sizes": sizes, "tokens": build.tokens, "returns_tuple": build.returns_tuple}
+        variant_entries = []
+        for i, variant in enumerate(variants):
+            entries = {}
+            for name, build in variant["pieces"].items():
+                sizes = {}
+                for size, compiled in build.compiled.items():
+                    if id(compiled) not in blob_of:
+                        staged = tmp / "blobs" / "staged"
+                        compiled.save(path=str(staged), format="binary")
+                        blob_of[id(compiled)] = entry = _entry(staged)
+                        os.replace(staged, tmp / "blobs" / entry["sha256"])
+                        counters["blobs_saved"] += 1
+                    sizes["dynamic" if size is None else str(size)] = blob_of[id(compiled)]
+                entries[name] = {"sizes": sizes, "tokens": build.tokens, "returns_tuple": build.returns_tuple}
+            program = _write_file(tmp / PROGRAMS / f"{i}.py", variant["program"].encode())
+            variant_entries.append({"ranges": [list(r) for r in variant["ranges"]], "sizes": list(variant["sizes"]),
+                                    "program": program, "pieces": entries, "passes": variant["passes"]})
         kernel_entries = {}
         for key, built in sorted(kernels.items()):
             shutil.copyfile(built, tmp / "kernels" / f"{key}.so")
@@ -125,8 +145,7 @@ def save(
             "platform": platform.platform(),
             "factors": factors,  # torch and Python versions, system: what verify() checks
             "inputs": inputs,
-            "program": _write_file(tmp / PROGRAM, program.encode()),
-            "pieces": entries,
+            "variants": variant_entries,
             "kernels": kernel_entries,
             **info,
         }
@@ -139,7 +158,8 @@ def save(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info("saved artifact %s (%d blobs, %d kernels)", path, len(blob_of), len(kernel_entries))
+    logger.info("saved artifact %s (%d variants, %d blobs, %d kernels)", path, len(variant_entries), len(blob_of),
+                len(kernel_entries))
 
 
 def read_manifest(path: Path) -> dict:
@@ -187,7 +207,8 @@ def verify(path: Path) -> dict:
         if factors["system"] != here:
             raise ArtifactError(f"artifact built for {factors['system']}, this machine is {here}: run "
                                 "`kiln compile` on a machine like this one")
-        _check_file(path / PROGRAM, manifest["program"], "program")
+        for i, variant in enumerate(manifest["variants"]):
+            _check_file(path / PROGRAMS / f"{i}.py", variant["program"], "program")
         for entry in _blob_entries(manifest):
             _check_file(path / "blobs" / entry["sha256"], entry, "blob")
         for key, entry in manifest["kernels"].items():
@@ -220,20 +241,25 @@ def load(path: Path, model: nn.Module) -> CompiledProgram:
         for entry in _blob_entries(manifest):
             blobs[entry["sha256"]] = _load_blob(path / "blobs" / entry["sha256"])
             counters["blobs_loaded"] += 1
-    pieces = {}
-    for name, entry in manifest["pieces"].items():
-        sizes = entry["sizes"]
-        pieces[name] = SizedPiece(
-            dynamic=blobs[sizes["dynamic"]["sha256"]],
-            tokens=tuple(entry["tokens"]) if entry["tokens"] is not None else None,
-            static={int(s): blobs[e["sha256"]] for s, e in sizes.items() if s != "dynamic"},
-            returns_tuple=entry["returns_tuple"],
-        )
-    forward = load_program((path / PROGRAM).read_text(), str(path / PROGRAM), pieces)
+    routes = []
+    for i, variant in enumerate(manifest["variants"]):
+        pieces = {}
+        for name, entry in variant["pieces"].items():
+            sizes = entry["sizes"]
+            pieces[name] = SizedPiece(
+                dynamic=blobs[sizes["dynamic"]["sha256"]] if "dynamic" in sizes else None,
+                tokens=tuple(entry["tokens"]) if entry["tokens"] is not None else None,
+                static={int(s): blobs[e["sha256"]] for s, e in sizes.items() if s != "dynamic"},
+                returns_tuple=entry["returns_tuple"],
+            )
+        program = path / PROGRAMS / f"{i}.py"
+        forward = load_program(program.read_text(), str(program), pieces)
+        routes += [((s, s), forward) for s in variant["sizes"]] + [(tuple(r), forward) for r in variant["ranges"]]
+    tokens_at = next(i for i, e in enumerate(manifest["inputs"]) if e["kind"] == "input" and e["name"] == "input_ids")
     inputs = [GraphInput(e["kind"], e["name"], e.get("of"), e.get("dim")) for e in manifest["inputs"]]
     _check_weights(manifest["inputs"], model)
     logger.info("loaded artifact %s: %d blobs in %.2fs", path.name, len(blobs), time.perf_counter() - start)
-    return CompiledProgram(forward, inputs, model)
+    return CompiledProgram(ByTokenCount(routes, tokens_at), inputs, model)
 
 
 def _check_weights(contract: list[dict], model: nn.Module) -> None:

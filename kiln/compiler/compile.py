@@ -32,6 +32,8 @@ from kiln.compiler.trace import TracedBackbone, trace_backbone
 from kiln.config import CompileConfig, dtype_name
 from kiln.models.llama import CausalLM
 from kiln.passes import GraphPass, PassManager
+from kiln.passes.base import SizeRange
+from kiln.passes.manager import PassReport
 
 logger = logging.getLogger(__name__)
 
@@ -118,39 +120,66 @@ class PieceBuild:
 
 
 def compile_pieces(
-    pieces: list[Piece], token_symbol: str, sizes: tuple[int, ...] = (), progress: bool | None = None
+    pieces: list[Piece],
+    token_symbol: str,
+    sizes: tuple[int, ...] = (),
+    progress: bool | None = None,
+    dynamic: bool = True,
+    done: dict | None = None,
 ) -> dict[str, PieceBuild]:
-    """Compile every non-splitting piece (unique graphs once, per size); returns name -> build."""
+    """Compile every non-splitting piece (unique graphs once, per size); returns name -> build.
+    `dynamic=False` compiles the static sizes only; `done` maps (graph key, size) to compiles made
+    earlier (another variant's pieces that came out the same)."""
+    done = {} if done is None else done
     builds: dict[str, PieceBuild] = {}
-    by_key: dict[str, PieceBuild] = {}
     todo = [(piece, normalize(piece.graph)) for piece in pieces if not piece.is_splitting]
     keys = [piece_key(graph) for _, graph in todo]
+    wanted = ((None,) if dynamic else ()) + tuple(sizes)
+    work = {(k, size) for k in keys for size in wanted} - done.keys()
     disable = None if progress is None else not progress  # None: show only on a terminal
-    with tqdm(total=len(set(keys)) * (1 + len(sizes)), desc="kiln compile", unit="graph", disable=disable) as bar:
+    with tqdm(total=len(work), desc="kiln compile", unit="graph", disable=disable) as bar:
         for (piece, graph), key in zip(todo, keys):
             counters["pieces"] += 1
-            if key in by_key:
-                counters["pieces_reused"] += 1
-                builds[piece.name] = by_key[key]
-                continue
             examples = _examples(piece)
             tokens = _token_location(examples, token_symbol)
             compiled: dict[int | None, object] = {}
-            for size in (None, *sizes) if tokens is not None else (None,):
-                start = time.perf_counter()
-                if size is None:
-                    inputs, mode = examples, detect_fake_mode(examples)
+            for size in wanted if tokens is not None else (None,):
+                if (key, size) not in done:
+                    start = time.perf_counter()
+                    if size is None:
+                        inputs, mode = examples, detect_fake_mode(examples)
+                    else:
+                        inputs, mode = _static_examples(examples, token_symbol, size)
+                    done[key, size] = torch._inductor.standalone_compile(
+                        copy.deepcopy(graph), inputs, dynamic_shapes="from_example_inputs", fake_mode=mode
+                    )
+                    counters["pieces_compiled"] += 1
+                    label = "dynamic" if size is None else f"size {size}"
+                    logger.info("compiled %s %s (%s) in %.2fs", piece.name, label, key[:12],
+                                time.perf_counter() - start)
+                    bar.update()
                 else:
-                    inputs, mode = _static_examples(examples, token_symbol, size)
-                compiled[size] = torch._inductor.standalone_compile(
-                    copy.deepcopy(graph), inputs, dynamic_shapes="from_example_inputs", fake_mode=mode
-                )
-                label = "dynamic" if size is None else f"size {size}"
-                logger.info("compiled %s %s (%s) in %.2fs", piece.name, label, key[:12], time.perf_counter() - start)
-                bar.update()
-            counters["pieces_compiled"] += 1
-            by_key[key] = builds[piece.name] = PieceBuild(compiled, tokens, _returns_tuple(piece.graph))
+                    counters["pieces_reused"] += 1
+                compiled[size] = done[key, size]
+            builds[piece.name] = PieceBuild(compiled, tokens, _returns_tuple(piece.graph))
     return builds
+
+
+@dataclass
+class VariantBuild:
+    """The backbone for the token counts whose passes agree: its size ranges and static sizes, the
+    passes' report, the stitching program and its compiled pieces."""
+
+    ranges: list[SizeRange]
+    sizes: list[int]
+    report: PassReport
+    program: str
+    pieces: dict[str, PieceBuild]
+
+    @property
+    def label(self) -> str:
+        """"1-64,128": the token counts this variant serves."""
+        return artifact.variant_label(self.ranges, self.sizes)
 
 
 @dataclass
@@ -158,7 +187,8 @@ class CompileResult:
     path: Path
     reused: bool
     timings: dict[str, float] = field(default_factory=dict)
-    pass_matches: dict[str, int] = field(default_factory=dict)
+    pass_matches: dict[str, dict[str, int | None]] = field(default_factory=dict)
+    """Variant label ("1-2048") -> pass name -> matches, passes in pipeline order."""
 
 
 def _token_symbol(traced: TracedBackbone) -> str:
@@ -181,15 +211,47 @@ def _contract(traced: TracedBackbone) -> list[dict]:
     return contract
 
 
-def _dump(dump_dir: Path, before_passes: str, traced: TracedBackbone, stitched: fx.GraphModule,
+def _dump(graphs: Path, before_passes: str, graph: fx.GraphModule, stitched: fx.GraphModule,
           pieces: list[Piece]) -> None:
-    graphs = dump_dir / "graphs"
     graphs.mkdir(parents=True, exist_ok=True)
     (graphs / "before_passes.py").write_text(before_passes)
-    (graphs / "before_split.py").write_text(traced.graph.code)
+    (graphs / "before_split.py").write_text(graph.code)
     (graphs / "after_split.py").write_text(stitched.code)
     for piece in pieces:
         (graphs / f"{piece.name}.py").write_text(piece.graph.code)
+
+
+def _build_variants(traced: TracedBackbone, manager: PassManager, compile_config: CompileConfig,
+                    timings: dict[str, float], dump_dir: Path | None, progress: bool | None) -> list[VariantBuild]:
+    """Run the passes, split and compile once per group of size ranges whose passes agree (one group
+    unless a pass declines some sizes). Pieces that come out the same in two variants compile once."""
+    ranges = compile_config.dynamic_ranges()
+    statics = [(s, s) for s in compile_config.sizes]
+    groups = manager.group([*ranges, *statics])
+    token_symbol = _token_symbol(traced)
+    before_passes = traced.graph.code
+    done: dict = {}
+    variants = []
+    for i, group in enumerate(groups):
+        graph = traced.graph if i == len(groups) - 1 else copy.deepcopy(traced.graph)
+        start = time.perf_counter()
+        report = manager.run(graph, group[0])
+        timings["passes"] = timings.get("passes", 0.0) + time.perf_counter() - start
+        logger.info("pass matches (%d-%d): %s", *group[0], ", ".join(f"{k} {v}" for k, v in report.matches.items()))
+        start = time.perf_counter()
+        stitched, pieces = split_graph(graph)
+        timings["split"] = timings.get("split", 0.0) + time.perf_counter() - start
+        dynamic = [r for r in group if r in ranges]
+        sizes = [lo for lo, hi in group if (lo, hi) in statics]
+        if dump_dir is not None:
+            graphs = Path(dump_dir) / ("graphs" if i == 0 else f"graphs-{i}")
+            _dump(graphs, before_passes, graph, stitched, pieces)
+        start = time.perf_counter()
+        builds = compile_pieces(pieces, token_symbol, tuple(sizes), progress, dynamic=bool(dynamic), done=done)
+        timings["compile"] = timings.get("compile", 0.0) + time.perf_counter() - start
+        program = stitching_source(stitched, pieces, arg_names(traced.inputs))
+        variants.append(VariantBuild(dynamic, sizes, report, program, builds))
+    return variants
 
 
 def build_artifact(
@@ -220,8 +282,7 @@ def build_artifact(
             try:
                 manifest = artifact.verify(path)
                 logger.info("artifact %s is present and valid: nothing to compile", path)
-                matches = {entry["name"]: entry["matches"] for entry in manifest.get("passes", [])}
-                return CompileResult(path, reused=True, pass_matches=matches)
+                return CompileResult(path, reused=True, pass_matches=artifact.pass_matches(manifest))
             except artifact.ArtifactError as e:
                 logger.info("compiling: %s", e)
         timings: dict[str, float] = {}
@@ -238,37 +299,26 @@ def build_artifact(
             else:
                 traced = trace_backbone(model)
             timings["trace"] = time.perf_counter() - start
-            before_passes = traced.graph.code
-            start = time.perf_counter()
-            report = manager.run(traced.graph, (1, compile_config.max_num_tokens))
-            timings["passes"] = time.perf_counter() - start
-            logger.info("pass matches: %s", ", ".join(f"{k} {v}" for k, v in report.matches.items()))
-            start = time.perf_counter()
-            stitched, pieces = split_graph(traced.graph)
-            timings["split"] = time.perf_counter() - start
-            if dump_dir is not None:
-                _dump(Path(dump_dir), before_passes, traced, stitched, pieces)
-            start = time.perf_counter()
-            builds = compile_pieces(pieces, _token_symbol(traced), compile_config.sizes, progress)
-            timings["compile"] = time.perf_counter() - start
+            variants = _build_variants(traced, manager, compile_config, timings, dump_dir, progress)
         start = time.perf_counter()
-        program = stitching_source(stitched, pieces, arg_names(traced.inputs))
         artifact.save(
             path,
             factors=factors,
-            program=program,
             inputs=_contract(traced),
-            pieces=builds,
+            variants=[{"ranges": v.ranges, "sizes": v.sizes, "program": v.program, "pieces": v.pieces,
+                       "passes": [{"name": name, "matches": v.report.matches.get(name),
+                                   "seconds": round(v.report.seconds.get(name, 0.0), 4)}
+                                  for name in manager.uuids()]}  # a list: pipeline order
+                      for v in variants],
             kernels=kernels,
             info={
                 "timings": timings,
                 "counters": dict(counters - before),
                 "architecture": model.config.architecture,
-                "passes": [{"name": name, "uuid": uuid, "matches": report.matches.get(name),
-                            "seconds": round(report.seconds.get(name, 0.0), 4)}
-                           for name, uuid in manager.uuids().items()],  # a list: pipeline order
+                "passes": [{"name": name, "uuid": uuid} for name, uuid in manager.uuids().items()],
             },
         )
         timings["save"] = time.perf_counter() - start
     logger.info("compile stages: %s", ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
-    return CompileResult(path, reused=False, timings=timings, pass_matches=report.matches)
+    matches = {v.label: {name: v.report.matches.get(name) for name in manager.uuids()} for v in variants}
+    return CompileResult(path, reused=False, timings=timings, pass_matches=matches)

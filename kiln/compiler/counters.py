@@ -3,4 +3,5 @@
 from collections import Counter
 
 counters: Counter[str] = Counter()
-"""Keys: graphs_traced, pieces, pieces_compiled (unique), pieces_reused, blobs_saved, blobs_loaded."""
+"""Keys: graphs_traced, pieces, pieces_compiled (Inductor compiles: one per unique graph and size),
+pieces_reused (a piece served by an earlier compile), blobs_saved, blobs_loaded."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kiln.errors import KilnError
 from kiln.kernels import AttentionMetadata
 
 
@@ -44,10 +45,11 @@ def arg_names(inputs: list[GraphInput]) -> list[str]:
 @dataclass
 class SizedPiece:
     """A compiled piece in its size variants: the static compile for the exact token count if there
-    is one, else the dynamic one. `tokens` locates the token count among the arguments: (index, None)
-    for an int argument, (index, dim) for a tensor's dimension."""
+    is one, else the dynamic one (None in a variant that serves static sizes only). `tokens` locates
+    the token count among the arguments: (index, None) for an int argument, (index, dim) for a
+    tensor's dimension."""
 
-    dynamic: Callable
+    dynamic: Callable | None
     tokens: tuple[int, int | None] | None = None
     static: dict[int, Callable] = field(default_factory=dict)
     returns_tuple: bool = True
@@ -61,6 +63,24 @@ class SizedPiece:
         if self.returns_tuple:
             return tuple(out)
         return out[0] if isinstance(out, (list, tuple)) else out
+
+
+class ByTokenCount:
+    """Calls the program variant that serves the batch's token count: an exact static size first,
+    else the size range that holds it."""
+
+    def __init__(self, routes: list[tuple[tuple[int, int], Callable]], tokens_at: int):
+        self.routes = sorted(routes, key=lambda r: r[0][1] - r[0][0])  # narrowest first: static sizes
+        self.tokens_at = tokens_at
+
+    def __call__(self, *args):
+        n = args[self.tokens_at].shape[0]
+        for (low, high), forward in self.routes:
+            if low <= n <= high:
+                return forward(*args)
+        top = max(high for (_, high), _ in self.routes)
+        raise KilnError(f"a batch of {n} tokens is larger than the artifact's max_num_tokens ({top}): "
+                        f"lower max_num_batched_tokens or compile with a larger --max-num-tokens")
 
 
 def load_program(source: str, filename: str, pieces: dict[str, Callable]) -> Callable:

@@ -78,6 +78,18 @@ class PassManager:
         """Pass name -> uuid, in pipeline order: the `passes` factor of the artifact key."""
         return {p.name: p.uuid() for p in self.passes}
 
+    def applicable(self, size_range: SizeRange) -> tuple[str, ...]:
+        """Names of the passes that run for graphs serving `size_range`."""
+        return tuple(p.name for p in self.passes if p.applies_to(size_range))
+
+    def group(self, size_ranges: Sequence[SizeRange]) -> list[list[SizeRange]]:
+        """`size_ranges` grouped by the passes that apply to them, in first-seen order: each group
+        needs one graph (kiln's passes apply everywhere, so by default there is one group)."""
+        groups: dict[tuple[str, ...], list[SizeRange]] = {}
+        for size_range in size_ranges:
+            groups.setdefault(self.applicable(size_range), []).append(size_range)
+        return list(groups.values())
+
     def run(self, graph: fx.GraphModule, size_range: SizeRange) -> PassReport:
         """Apply every pass that applies to `size_range` to `graph`, in place."""
         report = PassReport()

@@ -231,20 +231,23 @@ def test_manifest_records_factors_contract_and_timings(llama_artifact):
     assert manifest["factors"]["model"]["num_layers"] == 4 and manifest["factors"]["dtype"] == "float32"
     assert manifest["factors"]["system"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert set(manifest["timings"]) == {"trace", "passes", "split", "compile"}
-    assert len(manifest["pieces"]) == 5 and len({p["sizes"]["dynamic"]["sha256"] for p in manifest["pieces"].values()}) == 3
+    [variant] = manifest["variants"]  # every kiln pass applies to every size: one variant
+    assert variant["ranges"] == [[1, 2048]] and variant["sizes"] == []
+    assert len(variant["pieces"]) == 5 and len({p["sizes"]["dynamic"]["sha256"] for p in variant["pieces"].values()}) == 3
     assert {e["kind"] for e in manifest["inputs"]} == {"weight", "input", "meta", "kv_cache", "size"}
     kv = next(e for e in manifest["inputs"] if e["kind"] == "kv_cache")
     assert kv["shape"][1] is None and kv["shape"][0] == 2  # the block count is the symbolic dimension
     blobs = {p.name: p.stat().st_size for p in (llama_artifact / "blobs").iterdir()}
-    assert {e["sha256"]: e["bytes"] for p in manifest["pieces"].values() for e in p["sizes"].values()} == blobs
+    assert {e["sha256"]: e["bytes"] for p in variant["pieces"].values() for e in p["sizes"].values()} == blobs
     assert len(list((llama_artifact / "kernels").iterdir())) == len(manifest["kernels"]) >= 1
-    program = (llama_artifact / "program.py").read_text()
+    program = (llama_artifact / "programs" / "0.py").read_text()
     assert program.count("torch.ops.kiln.attention") == 4 and "self.submod_8(" in program
 
 
 def test_static_sizes_are_used_for_their_token_count(tmp_path, demo_dirs, kiln_cache):
     llm = LLM(demo_dirs["llama"], compile=True, cache_dir=kiln_cache, compile_config=CompileConfig(sizes=(1,)))
-    pieces = [p for p in llm.engine.runner.forward.graph.__self__.__dict__.values() if hasattr(p, "static")]
+    [program] = {forward.__self__ for _, forward in llm.engine.runner.forward.graph.routes}
+    pieces = [p for p in program.__dict__.values() if hasattr(p, "static")]
     assert len(pieces) == 5 and all(set(p.static) == {1} for p in pieces)
     calls = {"static": 0}
     for piece in pieces:

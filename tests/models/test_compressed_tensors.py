@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kiln import LLM, KilnError, SamplingParams
-from kiln.compiler.artifact import read_manifest
+from kiln.compiler.artifact import pass_matches, read_manifest
 from kiln.models.compressed_tensors import CheckpointQuantization, parse_quantization_config
 from kiln.models.quantization import QuantLinear
 from tests.oracle import PROMPTS, hf_greedy
@@ -103,7 +103,7 @@ def test_compiled_static_fp8_checkpoint_equals_eager(demo_dirs, calibration, tmp
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
     eager = LLM(ckpt).generate(PROMPTS, params)
     llm = LLM(ckpt, compile=True, cache_dir=kiln_cache)
-    passes = {p["name"]: p["matches"] for p in read_manifest(llm.artifact_path)["passes"]}
+    [passes] = pass_matches(read_manifest(llm.artifact_path)).values()
     assert passes["attn_quant"] == 4  # the attentions write fp8 and run eagerly as splitting ops
     compiled = llm.generate(PROMPTS, params)
     for c, e in zip(compiled, eager):
