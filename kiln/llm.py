@@ -29,6 +29,7 @@ class LLM:
     or `"fp8"` quantizes the decoder's projections (W8A8, per-channel weights, per-token activations)
     after loading, unless the checkpoint is quantized already. `passes` adds the user's own graph
     passes (`kiln.passes.GraphPass`) to the compile; they are part of the artifact key.
+    `artifact=PATH` runs that artifact directly (no key lookup, never compiles).
 
     >>> llm = LLM("path/to/model")
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))[0].text
@@ -46,10 +47,11 @@ class LLM:
         compile_config: CompileConfig | None = None,
         quantization: str | None = None,
         passes: Sequence[GraphPass] = (),
+        artifact: str | Path | None = None,
         **engine_options,
     ):
         start = time.perf_counter()
-        model_dir = Path(model)
+        model_dir = self.model_dir = Path(model)
         if not model_dir.is_dir():
             raise KilnError(f"model directory {model_dir} does not exist")
         self.model_config = ModelConfig.from_model_dir(model_dir)
@@ -62,7 +64,12 @@ class LLM:
         forward = None
         self.artifact_path: Path | None = None
         """The compiled artifact this LLM runs (compile=True only)."""
-        if compile:
+        if artifact is not None:  # this artifact and no other: never compiles
+            from kiln.compiler import artifact as artifacts
+
+            self.artifact_path = Path(artifact)
+            forward = artifacts.load(self.artifact_path, self.model)
+        elif compile:
             compile_config = compile_config or CompileConfig()
             if engine_config.max_num_batched_tokens > compile_config.max_num_tokens:
                 raise KilnError(
@@ -117,5 +124,6 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(order)
         while self.engine.has_unfinished():
             for out in self.engine.step():
-                results[order[out.request_id]] = out
+                if out.finished:
+                    results[order[out.request_id]] = out
         return results

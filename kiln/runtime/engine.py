@@ -1,5 +1,6 @@
-"""The engine owns requests: it adds them, runs one scheduled step at a time, samples, applies stop
-conditions and hands back finished outputs."""
+"""The engine owns requests: it adds and aborts them, runs one scheduled step at a time, samples,
+applies stop conditions and hands back each request's progress. Not thread-safe: the server's
+`AsyncEngine` calls it from one thread."""
 
 import itertools
 import logging
@@ -14,7 +15,7 @@ from kiln.runtime.kv_cache import allocate_kv_caches, num_kv_blocks
 from kiln.runtime.runner import ForwardFn, ModelRunner
 from kiln.runtime.sampler import SamplingParams, sample
 from kiln.runtime.scheduler import Scheduler, Sequence
-from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +31,13 @@ class RequestOutput:
     """Logprob of each generated token, when SamplingParams.logprobs is set."""
     top_logprobs: list[dict[int, float]] | None
     """The top-k alternatives at each step, when SamplingParams.logprobs > 0."""
-    finish_reason: str
-    """"stop" (EOS, stop token or stop string) or "length" (max_tokens or max_model_len)."""
+    finish_reason: str | None
+    """"stop" (EOS, stop token or stop string), "length" (max_tokens or max_model_len), "abort";
+    None while the request runs."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 class Engine:
@@ -69,10 +75,9 @@ class Engine:
         self._ids = itertools.count()
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
 
-    def add_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
-    ) -> str:
-        """Queue a request; returns its id. Bad input raises KilnError before anything is queued."""
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise KilnError, naming the problem, for a request the engine cannot run. Reads nothing that
+        steps change, so any thread may call it."""
         if not prompt_token_ids:
             raise KilnError("the prompt is empty: give at least one token")
         vocab = self.model_config.vocab_size
@@ -86,17 +91,38 @@ class Engine:
             )
         if params.stop and self.tokenizer is None:
             raise KilnError("stop strings need a tokenizer, and this model directory has none")
-        request_id = str(next(self._ids))
+
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; returns its id. Bad input raises KilnError before anything is queued."""
+        self.validate(prompt_token_ids, params)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._prompts:
+            raise KilnError(f"request id {request_id!r} is already in use")
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        self.scheduler.add(Sequence(request_id, list(prompt_token_ids), params, gen))
+        seq = Sequence(request_id, list(prompt_token_ids), params, gen)
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+        self.scheduler.add(seq)
         self._prompts[request_id] = prompt
         return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is (waiting or running) and free its blocks; False if unknown
+        or already finished."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        self._prompts.pop(request_id, None)
+        return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return the requests that finished in it."""
+        """Run one batch; return the progress of every request that got a token in it (finished or not)."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.has_unfinished():
@@ -108,42 +134,50 @@ class Engine:
             seq.num_computed += n
         sampling = [batch.seqs[i] for i in rows]
         result = sample(logits, [s.params for s in sampling], [s.generator for s in sampling], self.default_generator)
-        finished = []
+        outputs = []
         for seq, token, logprob, top in zip(sampling, result.token_ids, result.logprobs, result.top_logprobs):
             seq.token_ids.append(token)
             seq.logprobs.append(logprob)
             seq.top_logprobs.append(top)
-            reason, text = self._check_stop(seq, token)
+            if seq.detokenizer is not None:
+                seq.detokenizer.add(token)
+            reason, cut = self._check_stop(seq, token)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-                finished.append(self._output(seq, text))
-        return finished
+            outputs.append(self._output(seq, cut))
+        return outputs
 
-    def _check_stop(self, seq: Sequence, token: int) -> tuple[str | None, str | None]:
+    def _check_stop(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+        """(finish reason or None, where a stop string cuts the text or None)."""
         p = seq.params
-        text = None
         if p.stop:
-            text = self.tokenizer.decode(seq.output_token_ids)
+            text = seq.detokenizer.text
             cuts = [i for i in (text.find(s) for s in p.stop) if i >= 0]
             if cuts:
-                return "stop", text[: min(cuts)]
+                return "stop", min(cuts)
         if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
-            return "stop", text
+            return "stop", None
         if len(seq.output_token_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            return "length", text
+            return "length", None
         return None, None
 
-    def _output(self, seq: Sequence, text: str | None) -> RequestOutput:
-        if text is None:
-            text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer else ""
+    def _output(self, seq: Sequence, cut: int | None) -> RequestOutput:
+        """A snapshot of `seq`. Its text stops short of any stop string, and while the request runs it
+        also holds back the characters that could still begin one, so streamed text is never retracted."""
+        text = seq.detokenizer.text if seq.detokenizer is not None else ""
+        if cut is not None:
+            text = text[:cut]
+        elif seq.finish_reason is None and seq.params.stop:
+            text = text[: max(len(text) - max(len(s) for s in seq.params.stop) + 1, 0)]
         want = seq.params.logprobs is not None
+        finished = seq.finish_reason is not None
         return RequestOutput(
             request_id=seq.request_id,
-            prompt=self._prompts.pop(seq.request_id),
+            prompt=self._prompts.pop(seq.request_id) if finished else self._prompts[seq.request_id],
             prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids,
+            token_ids=list(seq.output_token_ids),
             text=text,
-            logprobs=seq.logprobs if want else None,
-            top_logprobs=seq.top_logprobs if want and seq.params.logprobs else None,
+            logprobs=list(seq.logprobs) if want else None,
+            top_logprobs=list(seq.top_logprobs) if want and seq.params.logprobs else None,
             finish_reason=seq.finish_reason,
         )

@@ -1,4 +1,4 @@
-"""Sampling: greedy, temperature, top-k, top-p, per-request seeds, and logprobs."""
+"""Sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, and logprobs."""
 
 from dataclasses import dataclass, field
 
@@ -17,6 +17,8 @@ class SamplingParams:
     top_k: int = -1
     """Keep the k most likely tokens; -1 (or 0) keeps all."""
     top_p: float = 1.0
+    min_p: float = 0.0
+    """Keep tokens at least this fraction as likely as the most likely one; 0 keeps all."""
     seed: int | None = None
     """Per-request seed: the same seed gives the same tokens whatever else is in the batch."""
     stop: list[str] = field(default_factory=list)
@@ -35,6 +37,8 @@ class SamplingParams:
             raise KilnError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise KilnError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise KilnError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.top_k < -1:
             raise KilnError(f"top_k must be -1 (off) or >= 0, got {self.top_k}")
         if self.logprobs is not None and self.logprobs < 0:
@@ -50,8 +54,11 @@ class SampleResult:
     top_logprobs: list[dict[int, float] | None]
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask a row of logits to -inf outside its top-k and nucleus (top-p) sets."""
+def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """Mask a row of logits to -inf outside its top-k, nucleus (top-p) and min-p sets."""
+    if min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -79,7 +86,7 @@ def sample(
     for row, p in enumerate(params):
         if p.temperature == 0:
             continue
-        probs = (_filter(logits[row] / p.temperature, p.top_k, p.top_p)).softmax(-1)
+        probs = (_filter(logits[row] / p.temperature, p.top_k, p.top_p, p.min_p)).softmax(-1)
         gen = generators[row] or default_generator
         tokens[row] = int(torch.multinomial(probs, 1, generator=gen))
     chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1)).squeeze(1).tolist()

@@ -34,6 +34,8 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     finish_reason: str | None = None
+    detokenizer: object | None = None
+    """The request's IncrementalDetokenizer (None without a tokenizer)."""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -114,6 +116,22 @@ class Scheduler:
             batch.num_tokens.append(n)
             budget -= n
         return batch
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Remove the request, waiting or running, and free its blocks."""
+        for queue in (self.waiting, self.running):
+            seq = next((s for s in queue if s.request_id == request_id), None)
+            if seq is not None:
+                queue.remove(seq)
+                self.allocator.free(seq.block_ids)
+                seq.block_ids, seq.status, seq.finish_reason = [], Status.FINISHED, "abort"
+                return seq
+        return None
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use."""
+        return 1 - self.allocator.num_free / self.allocator.num_blocks
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = Status.FINISHED, reason

@@ -1,4 +1,5 @@
-"""Text <-> token ids through Hugging Face `tokenizers` (tokenizer.json), plus the model's EOS ids."""
+"""Text <-> token ids through Hugging Face `tokenizers` (tokenizer.json), the model's EOS ids,
+incremental detokenization for streaming, and chat templates from tokenizer_config.json."""
 
 import json
 from pathlib import Path
@@ -7,11 +8,21 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from kiln.errors import KilnError
 
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+"""For models whose tokenizer_config.json has no chat_template: "Role: content" lines, then "Assistant:"."""
+
 
 def _ids(value) -> list[int]:
     if value is None:
         return []
     return list(value) if isinstance(value, list) else [value]
+
+
+def _token_text(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
 
 
 class Tokenizer:
@@ -24,7 +35,11 @@ class Tokenizer:
                 "save one with transformers' AutoTokenizer.save_pretrained, or pass token ids"
             )
         self._tok = HFTokenizer.from_file(str(path))
+        f = model_dir / "tokenizer_config.json"
+        self._config = json.loads(f.read_text()) if f.is_file() else {}
         self.eos_token_ids = self._eos_ids(model_dir)
+        self.chat_template = self._chat_template(model_dir)
+        self._render = None
 
     def _eos_ids(self, model_dir: Path) -> list[int]:
         """generation_config.json wins over config.json; tokenizer_config.json's eos_token is last."""
@@ -34,20 +49,73 @@ class Tokenizer:
                 ids = _ids(json.loads(f.read_text()).get("eos_token_id"))
                 if ids:
                     return ids
-        f = model_dir / "tokenizer_config.json"
-        if f.is_file():
-            eos = json.loads(f.read_text()).get("eos_token")
-            eos = eos.get("content") if isinstance(eos, dict) else eos
-            if eos is not None and self._tok.token_to_id(eos) is not None:
-                return [self._tok.token_to_id(eos)]
+        eos = _token_text(self._config.get("eos_token"))
+        if eos is not None and self._tok.token_to_id(eos) is not None:
+            return [self._tok.token_to_id(eos)]
         return []
+
+    def _chat_template(self, model_dir: Path) -> str:
+        """chat_template.jinja (newer transformers) or tokenizer_config.json's chat_template (a string,
+        or a list of named templates: "default"), else the fallback."""
+        f = model_dir / "chat_template.jinja"
+        if f.is_file():
+            return f.read_text()
+        template = self._config.get("chat_template")
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        return template if isinstance(template, str) and template else FALLBACK_CHAT_TEMPLATE
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for a chat, rendered like transformers does (sandboxed Jinja)."""
+        if self._render is None:
+            from jinja2 import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message: str):
+                raise TemplateError(message)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            self._render = env.from_string(self.chat_template).render
+        from jinja2 import TemplateError
+
+        specials = {k: _token_text(self._config.get(k)) or "" for k in ("bos_token", "eos_token")}
+        try:
+            return self._render(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
+        except TemplateError as e:
+            raise KilnError(f"the chat template refused these messages: {e}") from None
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas. Decodes a short window of recent tokens
+    rather than all of them, and holds back a delta that ends in an incomplete UTF-8 character (a
+    byte-level token may carry half of one), so a stream never shows a broken character."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int]):
+        self._tok = tokenizer
+        self._ids = list(prompt_token_ids[-6:])  # context: a token's leading space depends on the one before
+        self._prefix, self._read = max(len(self._ids) - 5, 0), len(self._ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text it completes ("" while a character is incomplete)."""
+        self._ids.append(token_id)
+        before = self._tok.decode(self._ids[self._prefix : self._read])
+        after = self._tok.decode(self._ids[self._prefix :])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        delta = after[len(before) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        self.text += delta
+        return delta

@@ -47,3 +47,14 @@ def test_per_request_generator_wins_over_default():
     a = sample(logits, [p, p], [_gen(7), None], _gen(1)).token_ids
     b = sample(logits, [p, p], [_gen(7), None], _gen(2)).token_ids
     assert a[0] == b[0] and a[1] != b[1]
+
+
+def test_min_p_keeps_tokens_near_the_most_likely():
+    logits = torch.tensor([[4.0, 3.5, 1.0, 0.0, -2.0]])
+    probs = logits[0].softmax(-1)
+    kept = {i for i in range(5) if probs[i] >= 0.2 * probs.max()}
+    drawn = {sample(logits, [SamplingParams(temperature=1.0, min_p=0.2)], [None], _gen(i)).token_ids[0]
+             for i in range(200)}
+    assert drawn == kept == {0, 1}
+    with pytest.raises(Exception, match="min_p"):
+        SamplingParams(min_p=1.5)

@@ -1,0 +1,168 @@
+"""The engine on a thread of its own, for the asyncio server: requests go in through a queue, each
+request's outputs come back to the event loop it was added from. Steps run back to back while any
+request is unfinished; new requests join the next step (continuous batching)."""
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from kiln.errors import KilnError
+from kiln.runtime.engine import Engine, RequestOutput
+from kiln.runtime.metrics import Metrics
+from kiln.runtime.sampler import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    arrival: float = field(default_factory=time.perf_counter)
+    last_token: float | None = None
+    num_tokens: int = 0
+
+
+class RequestStream:
+    """One request's outputs, in order, ending with the finished one. Leaving the iteration early
+    (a client that went away) aborts the request and frees its KV blocks."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, outputs: asyncio.Queue):
+        self.request_id, self._engine, self._outputs = request_id, engine, outputs
+        self.finished = False
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                out = await self._outputs.get()
+                if isinstance(out, BaseException):
+                    raise out
+                self.finished = out.finished
+                yield out
+        finally:
+            if not self.finished:
+                self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, metrics: Metrics | None = None):
+        self.engine, self.metrics = engine, metrics or Metrics()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self.error: BaseException | None = None
+        """Set when a step failed: the server then reports unhealthy."""
+        self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def num_requests(self) -> int:
+        """Requests added and not yet finished or aborted."""
+        return len(self._streams)
+
+    def add(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> RequestStream:
+        """Queue a request from the event loop; bad input raises KilnError here, before anything runs."""
+        self.engine.validate(prompt_token_ids, params)
+        if not self.healthy:
+            raise RuntimeError("the engine is not running")
+        request_id = uuid.uuid4().hex
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._inbox.put(("add", request_id, list(prompt_token_ids), params, prompt))
+        self._wake.set()
+        return RequestStream(self, request_id, stream.outputs)
+
+    def abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            self._inbox.put(("abort", request_id))
+            self._wake.set()
+
+    # -- the engine thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._drain()
+            if not self.engine.has_unfinished():
+                self._update_gauges()
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a bug or an out-of-memory: fail every request, report unhealthy
+                logger.exception("engine step failed")
+                self.error = e
+                for request_id in list(self._streams):
+                    self._deliver(request_id, KilnError(f"the engine failed: {type(e).__name__}: {e}"))
+                return
+            now = time.perf_counter()
+            for out in outputs:
+                self._record(out, now)
+                self._deliver(out.request_id, out)
+            self._update_gauges()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if message[0] == "abort":
+                self.engine.abort(message[1])
+                continue
+            _, request_id, ids, params, prompt = message
+            if request_id not in self._streams:  # aborted before it was added
+                continue
+            try:
+                self.engine.add_request(ids, params, prompt, request_id=request_id)
+                self.metrics.prompt_tokens.inc(len(ids))
+            except KilnError as e:
+                self._deliver(request_id, e)
+
+    def _record(self, out: RequestOutput, now: float) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        self.metrics.generation_tokens.inc()
+        if stream.last_token is None:
+            self.metrics.time_to_first_token.observe(now - stream.arrival)
+        else:
+            self.metrics.inter_token_latency.observe(now - stream.last_token)
+        stream.last_token = now
+        if out.finished:
+            self.metrics.requests.labels(out.finish_reason).inc()
+            self.metrics.request_latency.observe(now - stream.arrival)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        if isinstance(item, BaseException) or item.finished:
+            del self._streams[request_id]
+        try:
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening
+            pass
+
+    def _update_gauges(self) -> None:
+        scheduler = self.engine.scheduler
+        self.metrics.running.set(len(scheduler.running))
+        self.metrics.waiting.set(len(scheduler.waiting))
+        self.metrics.kv_cache_usage.set(scheduler.kv_usage)

@@ -1,0 +1,388 @@
+"""The OpenAI-compatible HTTP API (DESIGN.md section 7): FastAPI routes over an `AsyncEngine`.
+
+Every error, from malformed JSON to a prompt longer than the context, is answered in OpenAI's error
+shape with a 4xx; a client that disconnects mid-stream aborts its request.
+"""
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from kiln.errors import KilnError
+from kiln.runtime.async_engine import AsyncEngine, RequestStream
+from kiln.runtime.engine import RequestOutput
+from kiln.runtime.metrics import CONTENT_TYPE
+from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+# -- request bodies ----------------------------------------------------------------------------------
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields completions and chat share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+            seed=None if self.seed is None else self.seed + index, stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
+        )
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+# -- errors ------------------------------------------------------------------------------------------
+
+def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+          code: str | None = None) -> JSONResponse:
+    """OpenAI's error shape."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    param = ".".join(loc) or None
+    return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
+
+
+class ServerError(Exception):
+    """A 4xx the route decided on, raised from deep in request handling."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.code = status, kind, code
+
+
+# -- the app -----------------------------------------------------------------------------------------
+
+class Server:
+    """Turns API requests into engine requests and engine outputs into API responses."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_model_len: int):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.model_name, self.max_model_len = model_name, max_model_len
+        self.created = int(time.time())
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise ServerError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
+                              "NotFoundError", "model_not_found")
+
+    def max_tokens(self, prompt_len: int, asked: int | None) -> int:
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise ServerError(400, f"the prompt has {prompt_len} tokens; this model's context is "
+                                   f"{self.max_model_len} tokens, which leaves no room to generate")
+        if asked is not None and asked > room:
+            raise ServerError(400, f"max_tokens {asked} + the prompt's {prompt_len} tokens exceed the model's "
+                                   f"context of {self.max_model_len} tokens")
+        return asked if asked is not None else room
+
+    def start(self, prompts: list[tuple[list[int], str | None]], request: _Sampling, max_tokens: int | None,
+              logprobs: int | None) -> list[RequestStream]:
+        """One engine request per prompt and choice (prompt-major), all validated before any runs."""
+        streams: list[RequestStream] = []
+        try:
+            for ids, text in prompts:
+                limit = self.max_tokens(len(ids), max_tokens)
+                for i in range(request.n):
+                    streams.append(self.engine.add(ids, request.sampling_params(limit, logprobs, i), text))
+        except BaseException:
+            for stream in streams:
+                self.engine.abort(stream.request_id)
+            raise
+        return streams
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from all streams as they come; closing this aborts the unfinished ones."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((index, out))
+        except BaseException as e:  # noqa: BLE001  (handed to the consumer)
+            await queue.put((index, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, out = await queue.get()
+            if isinstance(out, BaseException):
+                raise out
+            if out.finished:
+                remaining -= 1
+            yield index, out
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            if not stream.finished:
+                stream._engine.abort(stream.request_id)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_model_len: int,
+               on_ready: Callable[[], None] | None = None) -> FastAPI:
+    server = Server(engine, tokenizer, model_name, max_model_len)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if on_ready is not None:
+            on_ready()
+        yield
+
+    app = FastAPI(title="kiln", summary="OpenAI-compatible completions over compiled kiln artifacts",
+                  lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error(400, message, param=param)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
+        return error(exc.status_code, str(exc.detail), kind)
+
+    @app.exception_handler(ServerError)
+    async def _server_error(request: Request, exc: ServerError) -> JSONResponse:
+        return error(exc.status, str(exc), exc.kind, code=exc.code)
+
+    @app.exception_handler(KilnError)
+    async def _kiln_error(request: Request, exc: KilnError) -> JSONResponse:
+        return error(400, str(exc))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.healthy:
+            return error(503, f"the engine is not running ({engine.error})", "server_error")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
+                                            "owned_by": "kiln", "max_model_len": max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Response:
+        server.check_model(body.model)
+        prompts = _completion_prompts(body.prompt, tokenizer)
+        streams = server.start(prompts, body, body.max_tokens, body.logprobs)
+        request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        prompt_tokens = sum(len(ids) for ids, _ in prompts) * body.n
+        head = {"id": request_id, "object": "text_completion", "created": created, "model": model_name}
+
+        def choice(index: int, out: RequestOutput, text: str, first: int) -> dict:
+            lp = None
+            if body.logprobs is not None:
+                ids = out.token_ids[first:]
+                tops = (out.top_logprobs or [None] * len(out.token_ids))[first:]
+                lp = {"tokens": [server.token_text(t) for t in ids], "token_logprobs": out.logprobs[first:],
+                      "top_logprobs": [{server.token_text(k): v for k, v in (t or {}).items()} for t in tops],
+                      "text_offset": []}
+            return {"index": index, "text": text, "logprobs": lp, "finish_reason": _reason(out)}
+
+        if body.stream:
+            async def events() -> AsyncIterator[str]:
+                sent: dict[int, tuple[int, int]] = {}  # index -> (characters, tokens) sent
+                completion_tokens = 0
+                async for index, out in _merged(streams):
+                    chars, toks = sent.get(index, (0, 0))
+                    sent[index] = (len(out.text), len(out.token_ids))
+                    if out.finished:
+                        completion_tokens += len(out.token_ids)
+                    if len(out.text) > chars or out.finished:
+                        yield _sse({**head, "choices": [choice(index, out, out.text[chars:], toks)]})
+                if body.stream_options and body.stream_options.include_usage:
+                    yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        finals = await _finals(streams)
+        return JSONResponse({**head, "choices": [choice(i, out, out.text, 0) for i, out in enumerate(finals)],
+                             "usage": _usage(prompt_tokens, sum(len(o.token_ids) for o in finals))})
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest) -> Response:
+        server.check_model(body.model)
+        text = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        top = body.top_logprobs or 0
+        streams = server.start([(ids, text)], body, body.max_completion_tokens or body.max_tokens,
+                               top if body.logprobs else None)
+        request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        prompt_tokens = len(ids) * body.n
+
+        def logprobs(out: RequestOutput, first: int) -> dict | None:
+            if not body.logprobs:
+                return None
+            tops = (out.top_logprobs or [None] * len(out.token_ids))[first:]
+            content = []
+            for token, lp, alts in zip(out.token_ids[first:], out.logprobs[first:], tops):
+                s = server.token_text(token)
+                content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
+                                "top_logprobs": [{"token": server.token_text(k), "logprob": v,
+                                                  "bytes": list(server.token_text(k).encode())}
+                                                 for k, v in (alts or {}).items()][:top]})
+            return {"content": content}
+
+        if body.stream:
+            async def events() -> AsyncIterator[str]:
+                head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model_name}
+                for i in range(body.n):
+                    yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                     "logprobs": None, "finish_reason": None}]})
+                sent: dict[int, tuple[int, int]] = {}
+                completion_tokens = 0
+                async for index, out in _merged(streams):
+                    chars, toks = sent.get(index, (0, 0))
+                    sent[index] = (len(out.text), len(out.token_ids))
+                    if out.finished:
+                        completion_tokens += len(out.token_ids)
+                    if len(out.text) > chars or out.finished:
+                        delta = {"content": out.text[chars:]} if len(out.text) > chars else {}
+                        yield _sse({**head, "choices": [{"index": index, "delta": delta,
+                                                         "logprobs": logprobs(out, toks),
+                                                         "finish_reason": _reason(out)}]})
+                if body.stream_options and body.stream_options.include_usage:
+                    yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        finals = await _finals(streams)
+        choices = [{"index": i, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs(out, 0),
+                    "finish_reason": _reason(out)} for i, out in enumerate(finals)]
+        return JSONResponse({"id": request_id, "object": "chat.completion", "created": created, "model": model_name,
+                             "choices": choices, "usage": _usage(prompt_tokens, sum(len(o.token_ids) for o in finals))})
+
+    return app
+
+
+def _reason(out: RequestOutput) -> str | None:
+    return out.finish_reason if out.finish_reason in ("stop", "length") else None
+
+
+def _completion_prompts(prompt, tokenizer: Tokenizer) -> list[tuple[list[int], str | None]]:
+    """A string, a list of strings, a list of token ids, or a list of those -> [(ids, text or None)]."""
+    if isinstance(prompt, str):
+        return [(tokenizer.encode(prompt), prompt)]
+    if not prompt:
+        raise KilnError("the prompt is empty: give text or at least one token id")
+    if isinstance(prompt[0], int):
+        return [(list(prompt), None)]
+    if isinstance(prompt[0], str):
+        return [(tokenizer.encode(p), p) for p in prompt]
+    return [(list(p), None) for p in prompt]
+
+
+async def _finals(streams: list[RequestStream]) -> list[RequestOutput]:
+    """Each stream's finished output, in choice order (a client that leaves aborts them all)."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for index, out in _merged(streams):
+        if out.finished:
+            finals[index] = out
+    return finals
+
+
+def serve(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None) -> None:
+    """Serve `llm` (a loaded `kiln.LLM`) until interrupted: warm up, start the engine thread, listen."""
+    import uvicorn
+
+    if llm.tokenizer is None:
+        raise KilnError("serving needs a tokenizer.json in the model directory")
+    start = time.perf_counter()
+    warm = llm.engine.add_request(llm.tokenizer.encode("warm up") or [0], SamplingParams(max_tokens=2, temperature=0))
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    logger.info("warm-up step (request %s) in %.2fs", warm, time.perf_counter() - start)
+    engine = AsyncEngine(llm.engine)
+    engine.start()
+    name = model_name or llm.model_dir.name
+    app = create_app(engine, llm.tokenizer, name, llm.engine.max_model_len,
+                     on_ready=lambda: logger.info("ready: http://%s:%d serves %s", host, port, name))
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        engine.shutdown()

@@ -1,0 +1,76 @@
+"""The engine as the server uses it: progress every step, abort, no cycles keeping requests alive;
+incremental detokenization and chat templates."""
+
+import gc
+import json
+import weakref
+
+import pytest
+
+from kiln import LLM, SamplingParams
+from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@pytest.fixture(scope="module")
+def llm(demo_dirs) -> LLM:
+    return LLM(demo_dirs["llama"], max_num_seqs=4)
+
+
+def test_step_reports_progress_and_the_finish(llm):
+    engine = llm.engine
+    rid = engine.add_request(llm.tokenizer.encode("The kiln"), SamplingParams(max_tokens=5, temperature=0))
+    seen = []
+    while engine.has_unfinished():
+        seen += [o for o in engine.step() if o.request_id == rid]
+    assert [len(o.token_ids) for o in seen] == [1, 2, 3, 4, 5]
+    assert [o.finished for o in seen] == [False] * 4 + [True] and seen[-1].finish_reason == "length"
+    assert all(b.text.startswith(a.text) for a, b in zip(seen, seen[1:]))
+    assert seen[-1].text == llm.tokenizer.decode(seen[-1].token_ids)
+
+
+def test_abort_frees_blocks_and_finished_requests_are_not_kept_alive(llm):
+    engine = llm.engine
+    gc.collect()
+    gc.disable()  # only reference counting frees now: a cycle would keep the sequence alive
+    try:
+        keep = engine.add_request(llm.tokenizer.encode("The kiln"), SamplingParams(max_tokens=50, temperature=0))
+        drop = engine.add_request(llm.tokenizer.encode("Why"), SamplingParams(max_tokens=50, temperature=0))
+        engine.step()
+        seqs = {s.request_id: weakref.ref(s) for s in engine.scheduler.running}
+        assert engine.abort(drop) and not engine.abort(drop) and not engine.abort("nope")
+        assert seqs[drop]() is None  # aborted: gone at once
+        used = engine.scheduler.kv_usage
+        assert 0 < used
+        while engine.has_unfinished():
+            engine.step()
+        assert seqs[keep]() is None and engine.scheduler.kv_usage == 0 and not engine._prompts
+    finally:
+        gc.enable()
+
+
+def test_incremental_detokenizer_never_splits_a_character(llm):
+    tok = llm.tokenizer
+    text = "The kiln glows: naïve potters wait, 火 and 🔥 beside the jars."
+    ids = tok.encode(text)
+    assert len(ids) > len(text.encode()) // 3  # multi-byte characters span several byte-level tokens
+    detok = IncrementalDetokenizer(tok, tok.encode("Prompt:"))
+    deltas = [detok.add(t) for t in ids]
+    assert all("\ufffd" not in d for d in deltas) and "" in deltas  # held back until complete
+    assert "".join(deltas) == detok.text == tok.decode(ids) == text
+
+
+def test_chat_template_from_tokenizer_config(demo_dirs, tmp_path):
+    model = tmp_path / "chat"
+    model.mkdir()
+    for f in demo_dirs["llama"].iterdir():
+        (model / f.name).symlink_to(f)
+    config = json.loads((demo_dirs["llama"] / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (model / "tokenizer_config.json").unlink()
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer(model)
+    eos = config["eos_token"]
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == f"<user>hi{eos}<assistant>"
+    assert Tokenizer(demo_dirs["llama"]).apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=False) == "User: hi\n"
