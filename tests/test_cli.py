@@ -49,3 +49,41 @@ def test_errors_are_one_line_without_traceback(tmp_path, setup, message):
 def test_help_lists_commands():
     out = kiln("--help").stdout
     assert "generate" in out and "demo-model" in out
+
+
+def test_serve_from_the_artifact(demo_dirs, kiln_cache, llama_artifact, tmp_path):
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "kiln", "-v", "serve", str(demo_dirs["llama"]), "--port", str(port),
+           "--cache-dir", str(kiln_cache), "--require-artifact", "--served-model-name", "potter"]
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        body = {"model": "potter", "prompt": "The kiln was", "max_tokens": 6, "temperature": 0}
+        out = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body).json()
+        assert out["choices"][0]["text"] and out["usage"]["completion_tokens"] == 6
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    log.seek(0)
+    text = log.read()
+    assert f"loaded artifact {llama_artifact.name}" in text and "ready: http://127.0.0.1" in text
+    assert "compiling" not in text
+
+
+def test_serve_without_an_artifact_when_one_is_required(demo_dirs, tmp_path):
+    proc = kiln("serve", demo_dirs["llama"], "--cache-dir", tmp_path, "--require-artifact", check=False)
+    assert proc.returncode == 1 and "no artifact" in proc.stderr and "Traceback" not in proc.stderr
