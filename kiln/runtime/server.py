@@ -230,6 +230,11 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_m
     async def _kiln_error(request: Request, exc: KilnError) -> JSONResponse:
         return error(400, str(exc))
 
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:  # never expected: logged with its trace
+        logger.exception("error serving %s %s", request.method, request.url.path)
+        return error(500, f"internal error: {type(exc).__name__}", "server_error")
+
     @app.get("/health")
     async def health() -> Response:
         if not engine.healthy:
