@@ -169,6 +169,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     serve(llm, args.host, args.port, args.served_model_name)
 
@@ -236,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "request (default: the model's max_position_embeddings)")
     srv.add_argument("--max-num-seqs", type=_at_least(1), default=64, metavar="N", help="requests running at "
                      "once; more wait (default 64)")
+    srv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                     help="reuse the KV blocks of prompt prefixes seen before (default on)")
     srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and "
                      "activations dtype (default float32)")
     _add_compile_options(srv)

@@ -36,6 +36,8 @@ class EngineConfig:
     """Token budget of one step; longer prompts are prefilled in chunks."""
     max_model_len: int | None = None
     """Prompt + generated tokens per sequence; None means the model's max_position_embeddings."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of an earlier request's identical prefix (full blocks, by content hash)."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):

@@ -131,7 +131,7 @@ class Engine:
         rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)) if n == s.num_pending]
         logits = self.runner.execute(batch, rows)
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed += n
+            self.scheduler.computed(seq, n)
         sampling = [batch.seqs[i] for i in rows]
         result = sample(logits, [s.params for s in sampling], [s.generator for s in sampling], self.default_generator)
         outputs = []

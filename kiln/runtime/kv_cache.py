@@ -1,6 +1,8 @@
 """The paged KV cache: per-layer [2, num_blocks, block_size, kv_heads, head_dim] tensors and the
 allocator that hands out their blocks."""
 
+from collections import OrderedDict
+
 import torch
 
 from kiln.errors import KilnError
@@ -8,11 +10,21 @@ from kiln.models.config import ModelConfig
 
 
 class BlockAllocator:
-    """A free list of block ids. Freed blocks are reused last-freed-first (warm in cache)."""
+    """Hands out KV blocks and, with prefix caching, remembers full blocks by the hash of their
+    tokens (and every token before them), so a later prompt with the same prefix reuses their K/V.
 
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
+    A block is in use while any sequence holds it (reference counted). A freed block keeps its
+    contents and hash until it is handed out again; the least recently freed goes first.
+    """
+
+    def __init__(self, num_blocks: int, prefix_caching: bool = False):
+        self.num_blocks, self.prefix_caching = num_blocks, prefix_caching
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, int] = {}
+        self._by_hash: dict[int, int] = {}
+        self.hits = self.queries = 0
+        """Blocks found in the cache, blocks looked up: the prefix-cache hit rate."""
 
     @property
     def num_free(self) -> int:
@@ -21,12 +33,54 @@ class BlockAllocator:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise KilnError(f"KV cache out of blocks: asked for {n}, {len(self._free)} free")
-        blocks = self._free[-n:][::-1] if n else []
-        del self._free[len(self._free) - n :]
+        blocks = []
+        for _ in range(n):
+            block, _ = self._free.popitem(last=False)
+            h = self._hash_of.pop(block, None)
+            if h is not None:  # evicted: its contents are about to be overwritten
+                del self._by_hash[h]
+            self._refs[block] = 1
+            blocks.append(block)
         return blocks
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        for block in reversed(blocks):  # a sequence's last blocks are the least likely to be shared
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free[block] = None
+
+    def register(self, block: int, block_hash: int) -> None:
+        """`block` is full and its tokens hash to `block_hash`: later prompts may share it."""
+        if self.prefix_caching and block_hash not in self._by_hash and block not in self._hash_of:
+            self._by_hash[block_hash] = block
+            self._hash_of[block] = block_hash
+
+    def lookup(self, hashes: list[int]) -> list[int]:
+        """The cached blocks of the longest prefix of `hashes`, now held by the caller."""
+        if not self.prefix_caching:
+            return []
+        blocks = []
+        for h in hashes:
+            block = self._by_hash.get(h)
+            if block is None:
+                break
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+            blocks.append(block)
+        self.queries += len(hashes)
+        self.hits += len(blocks)
+        return blocks
+
+
+def block_hashes(token_ids: list[int], block_size: int, start: int = 0, parent: int | None = None) -> list[int]:
+    """Hashes of the full blocks of `token_ids` from block `start` on, each chained to the one
+    before it (`parent`: the hash of block start - 1), so equal hashes mean equal prefixes."""
+    hashes = []
+    for i in range(start, len(token_ids) // block_size):
+        parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
+        hashes.append(parent)
+    return hashes
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

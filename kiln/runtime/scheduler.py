@@ -1,6 +1,7 @@
 """Builds each step's flattened batch: running sequences first, then new ones while the token
 budget, the sequence cap and the KV blocks allow. Long prompts are prefilled in chunks; when blocks
-run out, the most recently admitted sequence is preempted and later recomputed."""
+run out, the most recently admitted sequence is preempted and later recomputed. With prefix
+caching, a new sequence starts after the longest prefix of full blocks already in the cache."""
 
 from collections import deque
 from dataclasses import dataclass, field
@@ -9,7 +10,7 @@ from enum import Enum
 import torch
 
 from kiln.config import EngineConfig
-from kiln.runtime.kv_cache import BlockAllocator
+from kiln.runtime.kv_cache import BlockAllocator, block_hashes
 from kiln.runtime.sampler import SamplingParams
 
 
@@ -36,6 +37,8 @@ class Sequence:
     finish_reason: str | None = None
     detokenizer: object | None = None
     """The request's IncrementalDetokenizer (None without a tokenizer)."""
+    block_hashes: list[int] = field(default_factory=list)
+    """Content hashes of the full blocks among `block_ids` (prefix caching)."""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -61,7 +64,7 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int):
         self.config = config
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = BlockAllocator(num_blocks, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -80,10 +83,37 @@ class Scheduler:
         seq.block_ids += self.allocator.allocate(max(need, 0))
         return True
 
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Start a new (or preempted) sequence after its cached prefix; one token is always left to
+        compute, since its logits are needed."""
+        bs = self.config.block_size
+        hashes = block_hashes(seq.token_ids[: (len(seq.token_ids) - 1) // bs * bs], bs)
+        seq.block_ids = self.allocator.lookup(hashes)
+        seq.block_hashes = hashes[: len(seq.block_ids)]
+        seq.num_computed = len(seq.block_ids) * bs
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_ids)
+        seq.block_ids, seq.block_hashes, seq.num_computed = [], [], 0
+
+    def computed(self, seq: Sequence, n: int) -> None:
+        """`n` more of `seq`'s tokens are in the KV cache; blocks that filled up become shareable."""
+        seq.num_computed += n
+        if not self.allocator.prefix_caching:
+            return
+        done = len(seq.block_hashes)
+        full = seq.num_computed // self.config.block_size
+        if full > done:
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            new = block_hashes(seq.token_ids[: full * self.config.block_size], self.config.block_size, done, parent)
+            for block, h in zip(seq.block_ids[done:], new):
+                self.allocator.register(block, h)
+            seq.block_hashes += new
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.allocator.free(seq.block_ids)
-        seq.block_ids, seq.num_computed, seq.status = [], 0, Status.WAITING
+        self._release(seq)
+        seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
@@ -106,8 +136,11 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             seq = self.waiting[0]
+            if self.allocator.prefix_caching:
+                self._reuse_prefix(seq)
             n = min(seq.num_pending, budget)
             if not self._reserve(seq, n):
+                self._release(seq)
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -123,8 +156,8 @@ class Scheduler:
             seq = next((s for s in queue if s.request_id == request_id), None)
             if seq is not None:
                 queue.remove(seq)
-                self.allocator.free(seq.block_ids)
-                seq.block_ids, seq.status, seq.finish_reason = [], Status.FINISHED, "abort"
+                self._release(seq)
+                seq.status, seq.finish_reason = Status.FINISHED, "abort"
                 return seq
         return None
 
@@ -136,5 +169,4 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = Status.FINISHED, reason
         self.running.remove(seq)
-        self.allocator.free(seq.block_ids)
-        seq.block_ids = []
+        self._release(seq)
