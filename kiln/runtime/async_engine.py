@@ -28,6 +28,10 @@ class _Stream:
     num_tokens: int = 0
 
 
+class EngineUnavailable(Exception):
+    """The engine thread has stopped (a failed step, or shutdown): no request can run."""
+
+
 class RequestStream:
     """One request's outputs, in order, ending with the finished one. Leaving the iteration early
     (a client that went away) aborts the request and frees its KV blocks."""
@@ -45,8 +49,12 @@ class RequestStream:
                 self.finished = out.finished
                 yield out
         finally:
-            if not self.finished:
-                self._engine.abort(self.request_id)
+            self.abort()
+
+    def abort(self) -> None:
+        """Stop the request if it still runs (a no-op once it finished)."""
+        if not self.finished:
+            self._engine.abort(self.request_id)
 
 
 class AsyncEngine:
@@ -81,7 +89,7 @@ class AsyncEngine:
         """Queue a request from the event loop; bad input raises KilnError here, before anything runs."""
         self.engine.validate(prompt_token_ids, params)
         if not self.healthy:
-            raise RuntimeError("the engine is not running")
+            raise EngineUnavailable(f"the engine is not running ({self.error or 'shut down'})")
         request_id = uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from kiln.errors import KilnError
-from kiln.runtime.async_engine import AsyncEngine, RequestStream
+from kiln.runtime.async_engine import AsyncEngine, EngineUnavailable, RequestStream
 from kiln.runtime.engine import RequestOutput
 from kiln.runtime.metrics import CONTENT_TYPE
 from kiln.runtime.sampler import SamplingParams
@@ -152,7 +152,7 @@ class Server:
                     streams.append(self.engine.add(ids, request.sampling_params(limit, logprobs, i), text))
         except BaseException:
             for stream in streams:
-                self.engine.abort(stream.request_id)
+                stream.abort()
             raise
         return streams
 
@@ -185,8 +185,7 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
         for task in tasks:
             task.cancel()
         for stream in streams:
-            if not stream.finished:
-                stream._engine.abort(stream.request_id)
+            stream.abort()
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -229,6 +228,10 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_m
     @app.exception_handler(KilnError)
     async def _kiln_error(request: Request, exc: KilnError) -> JSONResponse:
         return error(400, str(exc))
+
+    @app.exception_handler(EngineUnavailable)
+    async def _unavailable(request: Request, exc: EngineUnavailable) -> JSONResponse:
+        return error(503, str(exc), "server_error")
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:  # never expected: logged with its trace

@@ -208,3 +208,13 @@ def test_schema_fuzz_finds_no_server_errors(served):
         no_server_error()
         checked += 1
     assert checked == 5  # completions, chat, models, health, metrics
+
+
+def test_a_stopped_engine_is_unhealthy_and_refuses_work(eager):
+    from fastapi.testclient import TestClient
+
+    stopped = AsyncEngine(eager.engine)  # never started: as after a failed step
+    with TestClient(create_app(stopped, eager.tokenizer, MODEL, MAX_MODEL_LEN)) as http:
+        assert http.get("/health").status_code == 503
+        response = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert response.status_code == 503 and "not running" in response.json()["error"]["message"]
