@@ -273,21 +273,8 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_m
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": _reason(out)}
 
         if body.stream:
-            async def events() -> AsyncIterator[str]:
-                sent: dict[int, tuple[int, int]] = {}  # index -> (characters, tokens) sent
-                completion_tokens = 0
-                async for index, out in _merged(streams):
-                    chars, toks = sent.get(index, (0, 0))
-                    sent[index] = (len(out.text), len(out.token_ids))
-                    if out.finished:
-                        completion_tokens += len(out.token_ids)
-                    if len(out.text) > chars or out.finished:
-                        yield _sse({**head, "choices": [choice(index, out, out.text[chars:], toks)]})
-                if body.stream_options and body.stream_options.include_usage:
-                    yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return _event_stream(streams, head, lambda i, out, chars, toks: choice(i, out, out.text[chars:], toks),
+                                 prompt_tokens, body.stream_options)
         finals = await _finals(streams)
         return JSONResponse({**head, "choices": [choice(i, out, out.text, 0) for i, out in enumerate(finals)],
                              "usage": _usage(prompt_tokens, sum(len(o.token_ids) for o in finals))})
@@ -317,28 +304,15 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_m
             return {"content": content}
 
         if body.stream:
-            async def events() -> AsyncIterator[str]:
-                head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model_name}
-                for i in range(body.n):
-                    yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                     "logprobs": None, "finish_reason": None}]})
-                sent: dict[int, tuple[int, int]] = {}
-                completion_tokens = 0
-                async for index, out in _merged(streams):
-                    chars, toks = sent.get(index, (0, 0))
-                    sent[index] = (len(out.text), len(out.token_ids))
-                    if out.finished:
-                        completion_tokens += len(out.token_ids)
-                    if len(out.text) > chars or out.finished:
-                        delta = {"content": out.text[chars:]} if len(out.text) > chars else {}
-                        yield _sse({**head, "choices": [{"index": index, "delta": delta,
-                                                         "logprobs": logprobs(out, toks),
-                                                         "finish_reason": _reason(out)}]})
-                if body.stream_options and body.stream_options.include_usage:
-                    yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
-                yield "data: [DONE]\n\n"
+            head = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model_name}
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            def chunk(index: int, out: RequestOutput, chars: int, toks: int) -> dict:
+                delta = {"content": out.text[chars:]} if len(out.text) > chars else {}
+                return {"index": index, "delta": delta, "logprobs": logprobs(out, toks), "finish_reason": _reason(out)}
+
+            roles = [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                           "finish_reason": None}]} for i in range(body.n)]
+            return _event_stream(streams, head, chunk, prompt_tokens, body.stream_options, roles)
         finals = await _finals(streams)
         choices = [{"index": i, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs(out, 0),
                     "finish_reason": _reason(out)} for i, out in enumerate(finals)]
@@ -346,6 +320,31 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_m
                              "choices": choices, "usage": _usage(prompt_tokens, sum(len(o.token_ids) for o in finals))})
 
     return app
+
+
+def _event_stream(streams: list[RequestStream], head: dict, choice: Callable[[int, RequestOutput, int, int], dict],
+                  prompt_tokens: int, options: StreamOptions | None, preamble: list[dict] | None = None
+                  ) -> StreamingResponse:
+    """Server-sent events: `preamble`, then a chunk whenever a choice has new text (and its last one),
+    built by `choice(index, output, characters sent, tokens sent)`; usage if asked; `[DONE]`."""
+
+    async def events() -> AsyncIterator[str]:
+        for payload in preamble or []:
+            yield _sse(payload)
+        sent: dict[int, tuple[int, int]] = {}  # choice index -> (characters, tokens) sent
+        completion_tokens = 0
+        async for index, out in _merged(streams):
+            chars, toks = sent.get(index, (0, 0))
+            sent[index] = (len(out.text), len(out.token_ids))
+            if out.finished:
+                completion_tokens += len(out.token_ids)
+            if len(out.text) > chars or out.finished:
+                yield _sse({**head, "choices": [choice(index, out, chars, toks)]})
+        if options and options.include_usage:
+            yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 def _reason(out: RequestOutput) -> str | None:
