@@ -6,6 +6,7 @@ shape with a 4xx; a client that disconnects mid-stream aborts its request.
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import time
@@ -267,9 +268,12 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_m
             if body.logprobs is not None:
                 ids = out.token_ids[first:]
                 tops = (out.top_logprobs or [None] * len(out.token_ids))[first:]
-                lp = {"tokens": [server.token_text(t) for t in ids], "token_logprobs": out.logprobs[first:],
+                texts = [server.token_text(t) for t in ids]
+                offset = sum(len(server.token_text(t)) for t in out.token_ids[:first])
+                starts = list(itertools.accumulate((len(t) for t in texts), initial=offset))[:-1]
+                lp = {"tokens": texts, "token_logprobs": out.logprobs[first:],
                       "top_logprobs": [{server.token_text(k): v for k, v in (t or {}).items()} for t in tops],
-                      "text_offset": []}
+                      "text_offset": starts}
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": _reason(out)}
 
         if body.stream:

@@ -80,6 +80,7 @@ def test_completion_logprobs_and_token_prompts(client, eager):
                                     extra_body={"ignore_eos": True}).choices[0]
     assert got.logprobs.token_logprobs == pytest.approx(want.logprobs, abs=1e-4)
     assert all(len(top) == 3 for top in got.logprobs.top_logprobs)
+    assert got.logprobs.text_offset == [len("".join(got.logprobs.tokens[:i])) for i in range(6)]
     two = client.completions.create(model=MODEL, prompt=[PROMPTS[0], PROMPTS[1]], max_tokens=4, temperature=0, n=2)
     assert [c.index for c in two.choices] == [0, 1, 2, 3]
     assert two.choices[0].text == two.choices[1].text  # greedy: both choices of one prompt agree
