@@ -93,21 +93,28 @@ def _print_matches(by_variant: dict[str, dict[str, int | None]]) -> None:
         print(f"{name:<{width}}" + "".join(f"{'-' if m is None else m:>{c}}" for m, c in zip(cells, cols)))
 
 
-def _cmd_generate(args: argparse.Namespace) -> None:
-    from kiln import LLM, SamplingParams
+def _llm(args: argparse.Namespace, compile: bool, **options):
+    """The LLM that `generate` and `serve` run, from the model and compile options they share."""
+    from kiln import LLM
 
-    llm = LLM(
+    return LLM(
         args.model_dir,
         dtype=args.dtype,
-        seed=args.seed,
-        compile=args.compile or args.require_artifact,
+        compile=compile or args.require_artifact,
         cache_dir=args.cache_dir,
         require_artifact=args.require_artifact,
         compile_config=_compile_config(args),
         quantization=args.quantization,
         passes=_custom_passes(args),
         max_num_batched_tokens=args.max_num_tokens,
+        **options,
     )
+
+
+def _cmd_generate(args: argparse.Namespace) -> None:
+    from kiln import SamplingParams
+
+    llm = _llm(args, args.compile, seed=args.seed)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -152,25 +159,11 @@ def _add_compile_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
-    from kiln import LLM
     from kiln.runtime.server import serve
 
-    compiled = args.artifact != "eager"
-    llm = LLM(
-        args.model_dir,
-        dtype=args.dtype,
-        compile=compiled or args.require_artifact,
-        cache_dir=args.cache_dir,
-        require_artifact=args.require_artifact,
-        compile_config=_compile_config(args),
-        quantization=args.quantization,
-        passes=_custom_passes(args),
-        artifact=None if args.artifact in ("auto", "eager") else args.artifact,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_tokens,
-        enable_prefix_caching=args.enable_prefix_caching,
-    )
+    llm = _llm(args, args.artifact != "eager", artifact=None if args.artifact in ("auto", "eager") else args.artifact,
+               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+               enable_prefix_caching=args.enable_prefix_caching)
     serve(llm, args.host, args.port, args.served_model_name)
 
 

@@ -69,6 +69,11 @@ class LLM:
 
             self.artifact_path = Path(artifact)
             forward = artifacts.load(self.artifact_path, self.model)
+            if engine_config.max_num_batched_tokens > forward.graph.max_num_tokens:
+                raise KilnError(
+                    f"max_num_batched_tokens {engine_config.max_num_batched_tokens} exceeds the max_num_tokens "
+                    f"{forward.graph.max_num_tokens} of artifact {self.artifact_path}: lower it (--max-num-tokens)"
+                )
         elif compile:
             compile_config = compile_config or CompileConfig()
             if engine_config.max_num_batched_tokens > compile_config.max_num_tokens:

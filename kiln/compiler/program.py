@@ -73,13 +73,17 @@ class ByTokenCount:
         self.routes = sorted(routes, key=lambda r: r[0][1] - r[0][0])  # narrowest first: static sizes
         self.tokens_at = tokens_at
 
+    @property
+    def max_num_tokens(self) -> int:
+        """The largest batch any variant serves: the compile's max_num_tokens."""
+        return max(high for (_, high), _ in self.routes)
+
     def __call__(self, *args):
         n = args[self.tokens_at].shape[0]
         for (low, high), forward in self.routes:
             if low <= n <= high:
                 return forward(*args)
-        top = max(high for (_, high), _ in self.routes)
-        raise KilnError(f"a batch of {n} tokens is larger than the artifact's max_num_tokens ({top}): "
+        raise KilnError(f"a batch of {n} tokens is larger than the artifact's max_num_tokens ({self.max_num_tokens}): "
                         f"lower max_num_batched_tokens or compile with a larger --max-num-tokens")
 
 

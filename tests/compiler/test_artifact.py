@@ -313,3 +313,14 @@ def test_generate_cli_runs_the_artifact(demo_dirs, kiln_cache, llama_artifact, c
 def test_artifact_refuses_a_model_it_was_not_built_for(demo_dirs, llama_artifact):
     with pytest.raises(artifact.ArtifactError, match="expects weight model.embed_tokens.weight .* the model has"):
         artifact.load(llama_artifact, LLM(demo_dirs["qwen2"]).model)
+
+
+def test_an_artifact_named_by_path_runs_without_a_key_lookup(demo_dirs, llama_artifact, tmp_path):
+    llm = LLM(demo_dirs["llama"], artifact=llama_artifact)
+    assert llm.artifact_path == llama_artifact
+    eager = LLM(demo_dirs["llama"]).generate(["The kiln was"], GREEDY)[0]
+    assert llm.generate(["The kiln was"], GREEDY)[0].token_ids == eager.token_ids
+    with pytest.raises(KilnError, match="exceeds the max_num_tokens 2048"):
+        LLM(demo_dirs["llama"], artifact=llama_artifact, max_num_batched_tokens=4096)
+    with pytest.raises(artifact.ArtifactMissing):
+        LLM(demo_dirs["llama"], artifact=tmp_path / "nothing")
