@@ -25,7 +25,6 @@ class _Stream:
     outputs: asyncio.Queue
     arrival: float = field(default_factory=time.perf_counter)
     last_token: float | None = None
-    num_tokens: int = 0
 
 
 class EngineUnavailable(Exception):

@@ -139,20 +139,21 @@ class Engine:
             seq.token_ids.append(token)
             seq.logprobs.append(logprob)
             seq.top_logprobs.append(top)
-            if seq.detokenizer is not None:
-                seq.detokenizer.add(token)
-            reason, cut = self._check_stop(seq, token)
+            delta = seq.detokenizer.add(token) if seq.detokenizer is not None else ""
+            reason, cut = self._check_stop(seq, token, len(delta))
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             outputs.append(self._output(seq, cut))
         return outputs
 
-    def _check_stop(self, seq: Sequence, token: int) -> tuple[str | None, int | None]:
-        """(finish reason or None, where a stop string cuts the text or None)."""
+    def _check_stop(self, seq: Sequence, token: int, new_chars: int) -> tuple[str | None, int | None]:
+        """(finish reason or None, where a stop string cuts the text or None). A stop string not
+        found before must end in the `new_chars` characters this token added: only that tail is searched."""
         p = seq.params
-        if p.stop:
+        if p.stop and new_chars:
             text = seq.detokenizer.text
-            cuts = [i for i in (text.find(s) for s in p.stop) if i >= 0]
+            tail = len(text) - new_chars
+            cuts = [i for i in (text.find(s, max(tail - len(s) + 1, 0)) for s in p.stop) if i >= 0]
             if cuts:
                 return "stop", min(cuts)
         if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):

@@ -12,6 +12,7 @@ import torch
 from kiln.config import EngineConfig
 from kiln.runtime.kv_cache import BlockAllocator, block_hashes
 from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.tokenizer import IncrementalDetokenizer
 
 
 class Status(Enum):
@@ -35,7 +36,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     finish_reason: str | None = None
-    detokenizer: object | None = None
+    detokenizer: IncrementalDetokenizer | None = None
     """The request's IncrementalDetokenizer (None without a tokenizer)."""
     block_hashes: list[int] = field(default_factory=list)
     """Content hashes of the full blocks among `block_ids` (prefix caching)."""

@@ -169,7 +169,7 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
         try:
             async for out in stream:
                 await queue.put((index, out))
-        except BaseException as e:  # noqa: BLE001  (handed to the consumer)
+        except Exception as e:  # handed to the consumer; a cancellation ends the task
             await queue.put((index, e))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
