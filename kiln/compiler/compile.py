@@ -176,11 +176,6 @@ class VariantBuild:
     program: str
     pieces: dict[str, PieceBuild]
 
-    @property
-    def label(self) -> str:
-        """"1-64,128": the token counts this variant serves."""
-        return artifact.variant_label(self.ranges, self.sizes)
-
 
 @dataclass
 class CompileResult:
@@ -306,9 +301,9 @@ def build_artifact(
             factors=factors,
             inputs=_contract(traced),
             variants=[{"ranges": v.ranges, "sizes": v.sizes, "program": v.program, "pieces": v.pieces,
-                       "passes": [{"name": name, "matches": v.report.matches.get(name),
-                                   "seconds": round(v.report.seconds.get(name, 0.0), 4)}
-                                  for name in manager.uuids()]}  # a list: pipeline order
+                       "passes": [{"name": p.name, "matches": v.report.matches.get(p.name),
+                                   "seconds": round(v.report.seconds.get(p.name, 0.0), 4)}
+                                  for p in manager.passes]}  # a list: pipeline order
                       for v in variants],
             kernels=kernels,
             info={
@@ -320,5 +315,5 @@ def build_artifact(
         )
         timings["save"] = time.perf_counter() - start
     logger.info("compile stages: %s", ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
-    matches = {v.label: {name: v.report.matches.get(name) for name in manager.uuids()} for v in variants}
+    matches = artifact.pass_matches(artifact.read_manifest(path))  # the table `kiln compile` prints, as saved
     return CompileResult(path, reused=False, timings=timings, pass_matches=matches)
