@@ -102,7 +102,8 @@ class LLM:
             log("%s; compiling now", e)
         from kiln.compiler.compile import build_artifact  # the tracing path, only when needed
 
-        result = build_artifact(self.model, compile_config, cache_dir, passes=passes)
+        result = build_artifact(self.model, compile_config, cache_dir, passes=passes,
+                                model_name=Path(self.model_dir).name)
         return artifact.load(result.path, self.model)
 
     def generate(

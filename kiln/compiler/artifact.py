@@ -6,6 +6,8 @@
   programs/<i>.py  variant i's stitching code (plain Python calling pieces and attention in order)
   blobs/<sha256>   one per unique compiled piece and size (Inductor's serialized output)
   kernels/<k>.so   the built C++ kernels those pieces call, named by the content of their source
+  debug/           what was compiled, as text: Dynamo's bytecode (depyf-decompiled) and graph, the
+                   graphs before and after the passes, each piece (`kiln cache dump` reads them)
 ```
 
 A variant is the backbone as one pass pipeline shaped it, for the token counts it serves (size
@@ -30,7 +32,7 @@ import torch
 from torch import nn
 
 import kiln
-from kiln.compiler import kernel_store
+from kiln.compiler import kernel_store, usage
 from kiln.compiler.counters import counters
 from kiln.compiler.key import python_version, system_info
 from kiln.compiler.program import ByTokenCount, CompiledProgram, GraphInput, SizedPiece, load_program
@@ -102,12 +104,14 @@ def save(
     variants: list[dict],
     kernels: dict[str, Path],
     info: dict,
+    debug: dict[str, str] | None = None,
 ) -> None:
     """Write the artifact into a temporary sibling of `path`, then move it into place in one step.
 
     Each of `variants` has `ranges`, `sizes`, `program` (source), `passes` (report entries) and
     `pieces`: piece name -> an object with `compiled` ({size or None: Inductor artifact}), `tokens`
-    and `returns_tuple`. `kernels` maps content key -> built library.
+    and `returns_tuple`. `kernels` maps content key -> built library; `debug` maps a relative path
+    under debug/ -> text.
     """
     path = Path(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
@@ -132,6 +136,10 @@ def save(
             program = _write_file(tmp / PROGRAMS / f"{i}.py", variant["program"].encode())
             variant_entries.append({"ranges": [list(r) for r in variant["ranges"]], "sizes": list(variant["sizes"]),
                                     "program": program, "pieces": entries, "passes": variant["passes"]})
+        debug_entries = {}
+        for rel, text in sorted((debug or {}).items()):
+            (tmp / "debug" / rel).parent.mkdir(parents=True, exist_ok=True)
+            debug_entries[rel] = _write_file(tmp / "debug" / rel, text.encode())
         kernel_entries = {}
         for key, built in sorted(kernels.items()):
             shutil.copyfile(built, tmp / "kernels" / f"{key}.so")
@@ -147,19 +155,26 @@ def save(
             "inputs": inputs,
             "variants": variant_entries,
             "kernels": kernel_entries,
+            "debug": debug_entries,
             **info,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-        if path.exists():  # a broken artifact under this key: move it aside, then drop it
-            stale = Path(tempfile.mkdtemp(prefix=f".stale-{path.name}-", dir=path.parent))
-            os.replace(path, stale / "old")
-            shutil.rmtree(stale, ignore_errors=True)
+        if path.exists():  # a broken artifact under this key
+            remove(path)
         os.replace(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     logger.info("saved artifact %s (%d variants, %d blobs, %d kernels)", path, len(variant_entries), len(blob_of),
                 len(kernel_entries))
+
+
+def remove(path: Path) -> None:
+    """Delete the artifact at `path`: one rename takes it from its key, then it is deleted, so a
+    crash leaves no half-deleted artifact under the key (only a hidden `.stale-*` directory)."""
+    stale = Path(tempfile.mkdtemp(prefix=f".stale-{path.name}-", dir=path.parent))
+    os.replace(path, stale / path.name)
+    shutil.rmtree(stale, ignore_errors=True)
 
 
 def read_manifest(path: Path) -> dict:
@@ -176,15 +191,58 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-def _check_file(path: Path, entry: dict, what: str) -> None:
+def _file_problem(path: Path, entry: dict, what: str) -> str | None:
     if not path.is_file():
-        raise ArtifactError(f"artifact {what} {path} is missing: {RECOMPILE}")
+        return f"artifact {what} {path} is missing"
     size = path.stat().st_size
     if size != entry["bytes"]:
-        raise ArtifactError(f"artifact {what} {path} is truncated or altered ({size} bytes, expected "
-                            f"{entry['bytes']}): {RECOMPILE}")
+        return f"artifact {what} {path} is truncated or altered ({size} bytes, expected {entry['bytes']})"
     if _sha256(path) != entry["sha256"]:
-        raise ArtifactError(f"artifact {what} {path} is corrupt (sha256 mismatch): {RECOMPILE}")
+        return f"artifact {what} {path} is corrupt (sha256 mismatch)"
+    return None
+
+
+def pinned_files(path: Path, manifest: dict) -> list[tuple[Path, dict, str]]:
+    """Every file the manifest pins: (path, entry, what it is)."""
+    files = [(path / PROGRAMS / f"{i}.py", v["program"], "program") for i, v in enumerate(manifest["variants"])]
+    files += [(path / "blobs" / e["sha256"], e, "blob") for e in _blob_entries(manifest)]
+    files += [(path / "kernels" / f"{key}.so", e, "kernel") for key, e in manifest["kernels"].items()]
+    files += [(path / "debug" / rel, e, "debug file") for rel, e in manifest.get("debug", {}).items()]
+    return files
+
+
+def file_problems(path: Path, manifest: dict, first_only: bool = False) -> list[str]:
+    """Re-hash every file the manifest pins; one message per missing, truncated or corrupt file."""
+    problems = []
+    try:
+        for file, entry, what in pinned_files(Path(path), manifest):
+            problem = _file_problem(file, entry, what)
+            if problem:
+                problems.append(problem)
+                if first_only:
+                    break
+    except (KeyError, TypeError, AttributeError) as e:
+        problems.append(f"artifact manifest {Path(path) / MANIFEST} lacks or mangles {e}")
+    return problems
+
+
+def compatibility_problem(manifest: dict) -> str | None:
+    """Why an artifact built elsewhere cannot load here (torch, Python, system) and the fix, or None."""
+    try:
+        factors = manifest["factors"]
+        if factors["torch"] != torch.__version__:
+            return f"artifact built with torch {factors['torch']}, this is {torch.__version__}: {RECOMPILE}"
+        if manifest["torch_build"] != _torch_build():
+            return f"artifact built with another build of torch {torch.__version__} (its sources differ): {RECOMPILE}"
+        if factors["python"] != python_version():
+            return f"artifact built for Python {factors['python']}, this is {python_version()}: {RECOMPILE}"
+        here = system_info(factors["system"]["device"])
+        if factors["system"] != here:
+            return (f"artifact built for {factors['system']}, this machine is {here}: run `kiln compile` on a "
+                    "machine like this one")
+    except (KeyError, TypeError, AttributeError) as e:
+        return f"artifact manifest lacks or mangles {e}: {RECOMPILE}"
+    return None
 
 
 def verify(path: Path) -> dict:
@@ -192,31 +250,11 @@ def verify(path: Path) -> dict:
     file's size and sha256. Returns the manifest; raises ArtifactError naming the first problem."""
     path = Path(path)
     manifest = read_manifest(path)
-    try:
-        factors = manifest["factors"]
-        if factors["torch"] != torch.__version__:
-            raise ArtifactError(f"artifact built with torch {factors['torch']}, this is {torch.__version__}: "
-                                f"{RECOMPILE}")
-        if manifest["torch_build"] != _torch_build():
-            raise ArtifactError(f"artifact built with another build of torch {torch.__version__} (its sources "
-                                f"differ): {RECOMPILE}")
-        if factors["python"] != python_version():
-            raise ArtifactError(f"artifact built for Python {factors['python']}, this is {python_version()}: "
-                                f"{RECOMPILE}")
-        here = system_info(factors["system"]["device"])
-        if factors["system"] != here:
-            raise ArtifactError(f"artifact built for {factors['system']}, this machine is {here}: run "
-                                "`kiln compile` on a machine like this one")
-        for i, variant in enumerate(manifest["variants"]):
-            _check_file(path / PROGRAMS / f"{i}.py", variant["program"], "program")
-        for entry in _blob_entries(manifest):
-            _check_file(path / "blobs" / entry["sha256"], entry, "blob")
-        for key, entry in manifest["kernels"].items():
-            _check_file(path / "kernels" / f"{key}.so", entry, "kernel")
-    except (KeyError, TypeError, AttributeError) as e:
-        raise ArtifactError(f"artifact manifest {path / MANIFEST} lacks or mangles {e}: {RECOMPILE}") from None
-    except FileNotFoundError as e:
-        raise ArtifactError(f"artifact file {e.filename} is missing: {RECOMPILE}") from None
+    problem = compatibility_problem(manifest)
+    if problem is not None:
+        raise ArtifactError(problem)
+    for problem in file_problems(path, manifest, first_only=True):
+        raise ArtifactError(f"{problem}: {RECOMPILE}")
     return manifest
 
 
@@ -235,6 +273,7 @@ def load(path: Path, model: nn.Module) -> CompiledProgram:
     """Load the artifact at `path` and bind it to `model`'s weights; no tracing, no compiling."""
     start = time.perf_counter()
     path = Path(path)
+    lease = usage.acquire(path)  # before verifying: a pruner waits for no one it cannot see
     manifest = verify(path)
     blobs: dict[str, Callable] = {}
     with kernel_store.serving(path / "kernels"), _no_compile_workers():
@@ -259,7 +298,9 @@ def load(path: Path, model: nn.Module) -> CompiledProgram:
     inputs = [GraphInput(e["kind"], e["name"], e.get("of"), e.get("dim")) for e in manifest["inputs"]]
     _check_weights(manifest["inputs"], model)
     logger.info("loaded artifact %s: %d blobs in %.2fs", path.name, len(blobs), time.perf_counter() - start)
-    return CompiledProgram(ByTokenCount(routes, tokens_at), inputs, model)
+    program = CompiledProgram(ByTokenCount(routes, tokens_at), inputs, model)
+    program.lease = lease  # held while the program lives: `kiln cache prune` leaves this key alone
+    return program
 
 
 def _check_weights(contract: list[dict], model: nn.Module) -> None:

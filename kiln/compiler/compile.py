@@ -16,14 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from filelock import FileLock
 from torch import fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from tqdm import tqdm
 
-from kiln.compiler import artifact, kernel_store
+from kiln.compiler import artifact, kernel_store, usage
 from kiln.compiler.counters import counters
 from kiln.compiler.key import cache_key, model_factors
 from kiln.compiler.program import arg_names
@@ -206,20 +205,19 @@ def _contract(traced: TracedBackbone) -> list[dict]:
     return contract
 
 
-def _dump(graphs: Path, before_passes: str, graph: fx.GraphModule, stitched: fx.GraphModule,
-          pieces: list[Piece]) -> None:
-    graphs.mkdir(parents=True, exist_ok=True)
-    (graphs / "before_passes.py").write_text(before_passes)
-    (graphs / "before_split.py").write_text(graph.code)
-    (graphs / "after_split.py").write_text(stitched.code)
-    for piece in pieces:
-        (graphs / f"{piece.name}.py").write_text(piece.graph.code)
+def _graph_texts(folder: str, before_passes: str, graph: fx.GraphModule, stitched: fx.GraphModule,
+                 pieces: list[Piece]) -> dict[str, str]:
+    """One variant's graphs as text, by relative path: what the artifact's debug/ and --dump-dir hold."""
+    texts = {f"{folder}/before_passes.py": before_passes, f"{folder}/before_split.py": graph.code,
+             f"{folder}/after_split.py": stitched.code}
+    return texts | {f"{folder}/{piece.name}.py": piece.graph.code for piece in pieces}
 
 
 def _build_variants(traced: TracedBackbone, manager: PassManager, compile_config: CompileConfig,
-                    timings: dict[str, float], dump_dir: Path | None, progress: bool | None) -> list[VariantBuild]:
+                    timings: dict[str, float], debug: dict[str, str], progress: bool | None) -> list[VariantBuild]:
     """Run the passes, split and compile once per group of size ranges whose passes agree (one group
-    unless a pass declines some sizes). Pieces that come out the same in two variants compile once."""
+    unless a pass declines some sizes). Pieces that come out the same in two variants compile once.
+    Each variant's graphs are added to `debug` as text."""
     ranges = compile_config.dynamic_ranges()
     statics = [(s, s) for s in compile_config.sizes]
     groups = manager.group([*ranges, *statics])
@@ -238,9 +236,7 @@ def _build_variants(traced: TracedBackbone, manager: PassManager, compile_config
         timings["split"] = timings.get("split", 0.0) + time.perf_counter() - start
         dynamic = [r for r in group if r in ranges]
         sizes = [lo for lo, hi in group if (lo, hi) in statics]
-        if dump_dir is not None:
-            graphs = Path(dump_dir) / ("graphs" if i == 0 else f"graphs-{i}")
-            _dump(graphs, before_passes, graph, stitched, pieces)
+        debug |= _graph_texts("graphs" if i == 0 else f"graphs-{i}", before_passes, graph, stitched, pieces)
         start = time.perf_counter()
         builds = compile_pieces(pieces, token_symbol, tuple(sizes), progress, dynamic=bool(dynamic), done=done)
         timings["compile"] = timings.get("compile", 0.0) + time.perf_counter() - start
@@ -257,9 +253,11 @@ def build_artifact(
     progress: bool | None = None,
     force: bool = False,
     passes: Sequence[GraphPass] = (),
+    model_name: str | None = None,
 ) -> CompileResult:
     """Compile `model`'s backbone into `cache_dir/<key>` unless a valid artifact is already there.
-    `passes` are the user's own, run after kiln's fusions.
+    `passes` are the user's own, run after kiln's fusions; `model_name` (the model directory's name)
+    is recorded for `kiln cache ls` only: one artifact serves every checkpoint of these shapes.
 
     A file lock per key makes concurrent compiles of one model wait for the first and reuse its
     artifact; the artifact appears in one `os.replace`, so a crash leaves nothing half-written.
@@ -270,7 +268,7 @@ def build_artifact(
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     path = cache_dir / key
-    with FileLock(str(cache_dir / f".{key}.lock")):
+    with usage.compile_lock(path):
         for debris in cache_dir.glob(f".tmp-{key}-*"):  # left by a compile that was killed mid-save
             shutil.rmtree(debris, ignore_errors=True)
         if not force:
@@ -294,7 +292,12 @@ def build_artifact(
             else:
                 traced = trace_backbone(model)
             timings["trace"] = time.perf_counter() - start
-            variants = _build_variants(traced, manager, compile_config, timings, dump_dir, progress)
+            debug = {"dynamo/decompiled.py": traced.decompiled, "dynamo/graph.py": traced.dynamo_graph}
+            variants = _build_variants(traced, manager, compile_config, timings, debug, progress)
+        if dump_dir is not None:
+            for rel, text in debug.items():
+                (Path(dump_dir) / rel).parent.mkdir(parents=True, exist_ok=True)
+                (Path(dump_dir) / rel).write_text(text)
         start = time.perf_counter()
         artifact.save(
             path,
@@ -306,10 +309,12 @@ def build_artifact(
                                   for p in manager.passes]}  # a list: pipeline order
                       for v in variants],
             kernels=kernels,
+            debug=debug,
             info={
                 "timings": timings,
                 "counters": dict(counters - before),
                 "architecture": model.config.architecture,
+                "model_name": model_name,
                 "passes": [{"name": name, "uuid": uuid} for name, uuid in manager.uuids().items()],
             },
         )

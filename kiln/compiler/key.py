@@ -61,7 +61,7 @@ def key_factors(
     device: str = "cpu",
 ) -> dict:
     model = {k: v for k, v in dataclasses.asdict(model_config).items() if k not in NOT_IN_GRAPH}
-    return {
+    factors = {
         "model": model,
         "dtype": dtype_name(dtype),
         "quantization": quantization,
@@ -72,6 +72,7 @@ def key_factors(
         "python": python_version(),
         "system": system_info(device),
     }
+    return json.loads(json.dumps(factors))  # as the manifest holds them: tuples read back as lists
 
 
 def cache_key(factors: dict) -> str:

@@ -29,6 +29,22 @@ EXAMPLE_TOKENS = 9  # any size above 1: Dynamo specializes 0 and 1
 class TracedBackbone:
     graph: fx.GraphModule
     inputs: list[GraphInput]
+    dynamo_graph: str = ""
+    """Dynamo's graph (torch-level code), before the retrace to aten."""
+    decompiled: str = ""
+    """Dynamo's rewritten bytecode of the traced function, decompiled to Python by depyf."""
+
+
+def _decompile_dynamo_code(fn) -> str:
+    """What Dynamo made of `fn`: the bytecode that calls the captured graph, as Python source."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    try:
+        import depyf
+
+        return "".join(depyf.decompile(entry.code) for entry in _debug_get_cache_entry_list(fn.__code__))
+    except Exception as e:  # depyf lags new Python bytecode; this text is for people, never for loading
+        return f"# depyf could not decompile Dynamo's bytecode: {type(e).__name__}: {e}\n"
 
 
 def _example_batch(model: CausalLM):
@@ -108,9 +124,10 @@ def trace_backbone(model: CausalLM) -> TracedBackbone:
     torch._dynamo.reset()
     with torch.no_grad():
         torch.compile(backbone, backend=backend, fullgraph=True)(*batch)
+    decompiled = _decompile_dynamo_code(backbone)
     torch._dynamo.reset()
     counters["graphs_traced"] += 1
     inputs = _graph_inputs(captured["graph"], captured["inputs"], model, batch)
     graph = _to_aten(captured["graph"])
     logger.info("traced backbone: %d nodes in %.2fs", len(graph.graph.nodes), time.perf_counter() - start)
-    return TracedBackbone(graph, inputs)
+    return TracedBackbone(graph, inputs, captured["graph"].code, decompiled)
