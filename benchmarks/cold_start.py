@@ -1,82 +1,49 @@
-"""Cold start: how long from a fresh process to the first generated token, compiled and eager.
+"""Cold start: how long from a fresh process to the first generated token, compiled and eager, and
+how compile time grows with depth.
 
-For each model (the demo llama and a wider one) it measures, each in a fresh process:
-  cold_compile_s   `kiln compile` with an empty artifact cache and an empty Inductor cache
-  warm_compile_s   `kiln compile` again, the artifact present
-  artifact_first_token_s  start of a process that loads the artifact, to its first token
-  eager_first_token_s     the same without compiling (kiln's eager path)
-and, for depth, a 16-layer model of the demo's width compiled cold: `depth_ratio` is its compile
-time over the 4-layer one (goal <= 1.3), with both models' unique blob counts.
+For each model (the demo llama and a wider one) it runs `kiln bench startup`'s measurement
+(kiln/bench/startup.py: cold compile, warm compile, artifact and eager first token, each in fresh
+processes with empty caches, median and min-max of `--repeats`, compiler counters, checks), and, for
+depth, compiles a 16-layer model of the demo's width cold: `depth_ratio` is its median compile time
+over the 4-layer one's (goal <= 1.3), with both artifacts' unique blob counts.
 
-    python benchmarks/cold_start.py [--out results.json] [--quick]
+    python benchmarks/cold_start.py [--out results.json] [--repeats 3] [--quick]
 
-Prints one JSON object. `--quick` measures the demo model only (for CI).
+Prints one JSON object. `--quick` measures the demo model only, once.
 """
 
 import argparse
-import json
-import os
-import subprocess
+import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-FIRST_TOKEN = """
-import sys, time
-from kiln import LLM, SamplingParams
-llm = LLM(sys.argv[1], compile=sys.argv[2] == "artifact", cache_dir=sys.argv[3], require_artifact=True)
-llm.generate(["The kiln was"], SamplingParams(max_tokens=1, temperature=0))
-print(time.time())
-"""
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from harness import emit  # noqa: E402  (benchmarks/ is the script's dir)
+
+from kiln.bench import startup  # noqa: E402
 
 
-def _run(cmd: list[str], env: dict) -> tuple[float, str]:
-    start = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"benchmark step failed: {' '.join(cmd)}\n{proc.stderr[-3000:]}")
-    return time.time() - start, proc.stdout
-
-
-def _first_token(model_dir: Path, mode: str, cache: Path, env: dict) -> float:
-    start = time.time()
-    _, out = _run([sys.executable, "-c", FIRST_TOKEN, str(model_dir), mode, str(cache)], env)
-    return float(out.strip().splitlines()[-1]) - start
-
-
-def _compile(model_dir: Path, cache: Path, env: dict) -> float:
-    seconds, _ = _run([sys.executable, "-m", "kiln", "compile", str(model_dir), "--cache-dir", str(cache), "-q"], env)
-    return seconds
-
-
-def _blobs(cache: Path) -> int:
-    (artifact,) = [p for p in cache.iterdir() if not p.name.startswith(".")]
-    return len(list((artifact / "blobs").iterdir()))
-
-
-def _cold_env(work: Path, name: str) -> dict:
-    """Empty Inductor cache and temp dir (Inductor keeps its precompiled header under TMPDIR)."""
-    (work / f"{name}-tmp").mkdir()
-    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / f"{name}-inductor"), "TMPDIR": str(work / f"{name}-tmp")}
-
-
-def measure(name: str, model_dir: Path, work: Path, repeats: int) -> dict:
-    cache, env = work / f"{name}-cache", _cold_env(work, name)
-    result = {"cold_compile_s": _compile(model_dir, cache, env), "warm_compile_s": _compile(model_dir, cache, env)}
-    result["blobs"] = _blobs(cache)
-    # best of `repeats`: the machine is shared and noisy, the floor is what the code costs
-    result["artifact_first_token_s"] = min(_first_token(model_dir, "artifact", cache, env) for _ in range(repeats))
-    result["eager_first_token_s"] = min(_first_token(model_dir, "eager", cache, env) for _ in range(repeats))
-    result["artifact_over_eager"] = result["artifact_first_token_s"] / result["eager_first_token_s"]
-    return result
+def depth(shallow: dict, deep_dir: Path, work: Path, repeats: int) -> dict:
+    """Cold compiles of the 16-layer model against the 4-layer `shallow` result."""
+    runs = [startup.cold_compile(deep_dir, work / f"deep-{i}") for i in range(repeats)]
+    deep_s = statistics.median(sample.seconds for sample, _ in runs)
+    shallow_s = shallow["modes"]["cold_compile"]["median_s"]
+    return {
+        "layers_4_cold_compile_s": shallow_s,
+        "layers_16_cold_compile_s": round(deep_s, 3),
+        "depth_ratio": round(deep_s / shallow_s, 3),
+        "layers_4_blobs": shallow["artifact"]["blobs"],
+        "layers_16_blobs": startup.artifact_size(runs[-1][1])["blobs"],
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", help="also write the JSON here")
-    parser.add_argument("--quick", action="store_true", help="demo model only, one repeat (CI)")
-    parser.add_argument("--repeats", type=int, default=3, help="first-token runs per mode; the best counts")
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    parser.add_argument("--quick", action="store_true", help="demo model only, one repeat")
+    parser.add_argument("--repeats", type=int, default=3, help="fresh processes per mode; the median counts")
     args = parser.parse_args()
 
     from kiln.models.demo import write_demo_model
@@ -87,26 +54,15 @@ def main() -> None:
         models = {"demo": write_demo_model(work / "demo", num_layers=4, train_steps=0)}
         if not args.quick:
             models["wide"] = write_demo_model(work / "wide", num_layers=4, hidden_size=1024, train_steps=0)
-        results: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
-        import torch
-
-        results["machine"]["torch"] = torch.__version__
-        results["models"] = {name: measure(name, d, work, repeats) for name, d in models.items()}
+        results: dict = {"machine": startup.machine(), "models": {}}
+        for name, model_dir in models.items():
+            result = startup.measure(model_dir, repeats)
+            result["checks"] = startup.check(result, max_artifact_ratio=None)
+            results["models"][name] = result
         if not args.quick:
             deep = write_demo_model(work / "deep", num_layers=16, train_steps=0)
-            deep_s = _compile(deep, work / "deep-cache", _cold_env(work, "deep"))
-            shallow = results["models"]["demo"]
-            results["depth"] = {
-                "layers_4_cold_compile_s": shallow["cold_compile_s"],
-                "layers_16_cold_compile_s": deep_s,
-                "depth_ratio": deep_s / shallow["cold_compile_s"],
-                "layers_4_blobs": shallow["blobs"],
-                "layers_16_blobs": _blobs(work / "deep-cache"),
-            }
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+            results["depth"] = depth(results["models"]["demo"], deep, work, repeats)
+    emit(results, args.out)
 
 
 if __name__ == "__main__":

@@ -42,32 +42,49 @@ def _custom_passes(args: argparse.Namespace) -> list:
     return [load_pass(spec) for spec in args.passes or []]
 
 
-def _cmd_compile(args: argparse.Namespace) -> None:
-    import time
+def _shaped_model(args: argparse.Namespace):
+    """The model `args` name, with uninitialized weights: compiling and keys need shapes and dtypes only."""
     from pathlib import Path
 
-    from kiln.compiler.compile import build_artifact
-    from kiln.config import default_cache_dir, parse_dtype
+    from kiln.config import parse_dtype
     from kiln.models.config import ModelConfig
     from kiln.models.registry import create_model
 
-    start = time.perf_counter()
     if not Path(args.model_dir).is_dir():
         raise KilnError(f"model directory {args.model_dir} does not exist")
-    # Compiling needs shapes and dtypes only: the weights stay uninitialized and are never read.
     model = create_model(ModelConfig.from_model_dir(Path(args.model_dir)), parse_dtype(args.dtype))
     if args.quantization:
         from kiln.models.quantization import quantize_model
 
         quantize_model(model, args.quantization)
+    return model
+
+
+def _cache_dir(args: argparse.Namespace):
+    from pathlib import Path
+
+    from kiln.config import default_cache_dir
+
+    return Path(args.cache_dir or default_cache_dir())
+
+
+def _cmd_compile(args: argparse.Namespace) -> None:
+    import time
+    from pathlib import Path
+
+    from kiln.compiler.compile import build_artifact
+
+    start = time.perf_counter()
+    model = _shaped_model(args)
     result = build_artifact(
         model,
         _compile_config(args),
-        Path(args.cache_dir or default_cache_dir()),
+        _cache_dir(args),
         dump_dir=Path(args.dump_dir) if args.dump_dir else None,
         progress=False if args.quiet else None,  # None: a bar on terminals only
         force=args.force,
         passes=_custom_passes(args),
+        model_name=Path(args.model_dir).resolve().name,
     )
     if result.reused:
         print(f"artifact already present and valid (checked in {time.perf_counter() - start:.2f}s)")
@@ -135,14 +152,15 @@ def _cmd_demo_model(args: argparse.Namespace) -> None:
     print(out)
 
 
-def _add_compile_options(parser: argparse.ArgumentParser) -> None:
+def _add_compile_options(parser: argparse.ArgumentParser, cache_dir: bool = True) -> None:
     import dataclasses
 
     from kiln.config import PassConfig
 
     pass_names = [f.name.replace("_", "-") for f in dataclasses.fields(PassConfig)]
-    parser.add_argument("--cache-dir", metavar="DIR", help="artifact cache (default $KILN_CACHE, else "
-                        "~/.cache/kiln)")
+    if cache_dir:
+        parser.add_argument("--cache-dir", metavar="DIR", help="artifact cache (default $KILN_CACHE, else "
+                            "~/.cache/kiln)")
     parser.add_argument("--max-num-tokens", type=int, default=2048, metavar="N", help="largest batch in tokens "
                         "the compiled pieces serve (default 2048)")
     parser.add_argument("--quantization", choices=["int8", "fp8"], help="W8A8: weights per channel, "
@@ -165,6 +183,102 @@ def _cmd_serve(args: argparse.Namespace) -> None:
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                enable_prefix_caching=args.enable_prefix_caching)
     serve(llm, args.host, args.port, args.served_model_name)
+
+
+def _cmd_cache(args: argparse.Namespace) -> int:
+    from kiln.cache_tools import commands
+
+    cache, as_json = _cache_dir(args), args.json
+    match args.cache_command:
+        case "ls":
+            return commands.ls(cache, as_json)
+        case "info":
+            return commands.info(cache, args.key, as_json)
+        case "verify":
+            return commands.verify(cache, args.keys, as_json)
+        case "explain":
+            if args.model_dir:
+                if args.keys:
+                    raise KilnError("give two keys or --model DIR, not both")
+                from kiln.compiler.key import cache_key, model_factors
+
+                factors = model_factors(_shaped_model(args), _compile_config(args), _custom_passes(args))
+                return commands.explain_model(cache, factors, cache_key(factors), args.model_dir, as_json)
+            if len(args.keys) != 2:
+                raise KilnError("explain needs two keys (KEY_A KEY_B) or --model DIR")
+            return commands.explain_keys(cache, *args.keys, as_json)
+        case "prune":
+            return commands.prune_cache(cache, args.older_than, args.max_size, args.dry_run, as_json)
+        case "export":
+            return commands.export(cache, args.key, args.output, as_json)
+        case "import":
+            return commands.import_(cache, args.tarball, as_json)
+        case "dump":
+            return commands.dump_artifact(cache, args.key, args.output, as_json)
+    raise AssertionError(args.cache_command)
+
+
+def _units(parse):
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return convert
+
+
+def _add_cache_parser(sub) -> None:
+    from kiln.cache_tools.units import parse_age, parse_size
+
+    cache = sub.add_parser("cache", help="list, check, explain, prune, move and read cached artifacts",
+                           description="Inspect and manage the artifact cache ($KILN_CACHE, else ~/.cache/kiln). "
+                           "KEY is a full key, a unique prefix of one (as `kiln cache ls` shows) or an artifact "
+                           "directory.")
+    cmds = cache.add_subparsers(dest="cache_command", required=True, metavar="SUBCOMMAND")
+
+    def command(name: str, help: str, description: str) -> argparse.ArgumentParser:
+        p = cmds.add_parser(name, help=help, description=description)
+        p.add_argument("--cache-dir", metavar="DIR", help="artifact cache (default $KILN_CACHE, else ~/.cache/kiln)")
+        p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        p.set_defaults(func=_cmd_cache)
+        return p
+
+    command("ls", "list artifacts", "One line per artifact: key, model, dtype, size, created, last used, torch "
+            "version and CPU ISA (or GPU arch), newest first.")
+    p = command("info", "show one artifact", "The artifact's model, compile options and build, then per variant "
+                "its pieces (with their blobs), the passes' match counts, and the compile stage timings.")
+    p.add_argument("key", metavar="KEY")
+    p = command("verify", "re-hash every file of artifacts", "Check each file's size and sha256 against the "
+                "manifest, and the key against the manifest's factors. Exits 1 if any artifact is corrupt, naming "
+                "each bad file; an intact artifact built for another machine is reported, not failed.")
+    p.add_argument("keys", nargs="*", metavar="KEY", help="artifacts to check (default: all)")
+    p = command("explain", "why two keys differ, or why a model misses the cache", "Compare the key factors of "
+                "two artifacts (KEY_A KEY_B), or of a model directory compiled with the given options (--model "
+                "DIR) against the nearest artifact in the cache.")
+    p.add_argument("keys", nargs="*", metavar="KEY")
+    p.add_argument("--model", dest="model_dir", metavar="DIR", help="the model directory whose key to explain")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="with --model: "
+                   "activations dtype (default float32)")
+    _add_compile_options(p, cache_dir=False)
+    p = command("prune", "delete old or least recently used artifacts", "Delete artifacts last used (or made) "
+                "longer ago than --older-than, then the least recently used ones while the cache is larger than "
+                "--max-size. An artifact being compiled or loaded by a running process is never deleted.")
+    p.add_argument("--older-than", type=_units(parse_age), metavar="AGE", help="e.g. 12h, 7d, 2w")
+    p.add_argument("--max-size", type=_units(parse_size), metavar="SIZE", help="e.g. 500M, 10G")
+    p.add_argument("-n", "--dry-run", action="store_true", help="show what would be deleted; delete nothing")
+    p = command("export", "write an artifact to a .tar.gz", "Verify an artifact and write it as one tarball, to "
+                "import on another machine with the same torch and CPU (compile in CI, serve elsewhere).")
+    p.add_argument("key", metavar="KEY")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="the tarball to write (.tar.gz)")
+    p = command("import", "add an exported artifact to the cache", "Unpack a tarball from `kiln cache export`, "
+                "verify every file and that it loads on this machine, then move it into the cache in one step.")
+    p.add_argument("tarball", metavar="FILE")
+    p = command("dump", "write an artifact as readable code", "Write the manifest, the stitching programs, "
+                "Dynamo's depyf-decompiled bytecode and graph, the graphs before and after the passes, every "
+                "piece's graph and Inductor's generated code for each compiled piece.")
+    p.add_argument("key", metavar="KEY")
+    p.add_argument("-o", "--output", metavar="DIR", help="directory to create (default ./kiln-dump-<key>)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -248,6 +362,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--train-steps", type=_at_least(0), default=TRAIN_STEPS, metavar="N",
                       help=f"training steps on the shipped text (default {TRAIN_STEPS}; 0: random weights)")
     demo.set_defaults(func=_cmd_demo_model)
+    _add_cache_parser(sub)
+
+    from kiln.bench import startup
+
+    bench = sub.add_parser("bench", help="benchmark kiln on a model directory (JSON on stdout)",
+                           description="Benchmarks of kiln on a model directory; each prints one JSON object.")
+    benches = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    st = benches.add_parser("startup", help="cold and warm compile, artifact and eager first token, each in fresh "
+                            "processes", description=startup.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    startup.add_arguments(st)
+    st.set_defaults(func=startup.run)
     return parser
 
 
@@ -257,11 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("kiln").setLevel(level)
     try:
-        args.func(args)
+        return args.func(args) or 0
     except KilnError as e:
         print(f"kiln: error: {e}", file=sys.stderr)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

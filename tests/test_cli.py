@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from tests.processes import free_port, serving
+
 
 def kiln(*args, check=True):
     proc = subprocess.run([sys.executable, "-m", "kiln", *map(str, args)], capture_output=True, text=True,
@@ -52,34 +54,16 @@ def test_help_lists_commands():
 
 
 def test_serve_from_the_artifact(demo_dirs, kiln_cache, llama_artifact, tmp_path):
-    import socket
-    import time
-
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "kiln", "-v", "serve", str(demo_dirs["llama"]), "--port", str(port),
            "--cache-dir", str(kiln_cache), "--require-artifact", "--served-model-name", "potter"]
-    log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+    with serving(cmd, port, tmp_path / "serve.log") as url:
         body = {"model": "potter", "prompt": "The kiln was", "max_tokens": 6, "temperature": 0}
-        out = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body).json()
+        out = httpx.post(f"{url}/v1/completions", json=body).json()
         assert out["choices"][0]["text"] and out["usage"]["completion_tokens"] == 6
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    log.seek(0)
-    text = log.read()
+    text = (tmp_path / "serve.log").read_text()
     assert f"loaded artifact {llama_artifact.name}" in text and "ready: http://127.0.0.1" in text
     assert "compiling" not in text
 

@@ -21,27 +21,9 @@ from kiln.compiler.key import cache_key, key_factors
 from kiln.config import CompileConfig
 from kiln.models.config import ModelConfig
 from tests.oracle import PROMPTS
+from tests.processes import bare_env
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _bare_env(tmp_path: Path, **extra) -> dict:
-    """An environment with no C++ compiler anywhere: PATH is an empty directory (python is run by
-    absolute path), CXX/CC are /bin/false, and Inductor's cache and temp dirs are empty."""
-    bin_dir = tmp_path / "bin"
-    for d in ("bin", "inductor", "tmp"):
-        (tmp_path / d).mkdir(exist_ok=True)
-    return {
-        "HOME": str(tmp_path),
-        "PATH": str(bin_dir),
-        "CXX": "/bin/false",
-        "CC": "/bin/false",
-        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
-        "TMPDIR": str(tmp_path / "tmp"),
-        "PYTHONPATH": str(REPO),
-        **extra,
-    }
 
 
 SERVE_FROM_ARTIFACT = """
@@ -64,7 +46,7 @@ print(json.dumps({
 
 def test_serves_from_artifact_with_no_compiler(tmp_path, demo_dirs, kiln_cache, llama_artifact):
     assert shutil.which("g++") or shutil.which("c++")  # the host has one: hiding it is what this test proves
-    env = _bare_env(tmp_path)
+    env = bare_env(tmp_path)
     proc = subprocess.run(
         [sys.executable, "-c", SERVE_FROM_ARTIFACT, str(demo_dirs["llama"]), str(kiln_cache), json.dumps(PROMPTS)],
         env=env, capture_output=True, text=True, timeout=300,

@@ -1,0 +1,1 @@
+"""`kiln bench`: benchmarks a user runs against their own model directory (startup: compile and first-token times)."""

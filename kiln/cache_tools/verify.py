@@ -1,0 +1,40 @@
+"""`kiln cache verify`: re-hash every file of an artifact and say whether it would load here."""
+
+from dataclasses import dataclass, field
+
+from kiln.cache_tools.entries import Entry
+from kiln.compiler import artifact
+from kiln.compiler.key import cache_key
+
+
+@dataclass
+class Verdict:
+    key: str
+    problems: list[str] = field(default_factory=list)
+    """Corruption: a file missing, truncated or altered, or a manifest that does not match its key."""
+    incompatible: str | None = None
+    """Intact, but built for another torch, Python or machine: it would not load here."""
+    files: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_entry(entry: Entry) -> Verdict:
+    """Check every file the manifest pins (size and sha256), and that the key is the hash of the
+    manifest's factors (so no one renamed or edited the artifact)."""
+    if entry.manifest is None:
+        return Verdict(entry.key, [entry.error or "unreadable manifest"])
+    manifest = entry.manifest
+    verdict = Verdict(entry.key, artifact.file_problems(entry.path, manifest), artifact.compatibility_problem(manifest))
+    try:
+        verdict.files = len(artifact.pinned_files(entry.path, manifest))
+        actual = cache_key(manifest["factors"])
+    except (KeyError, TypeError) as e:
+        verdict.problems.append(f"manifest {entry.path / artifact.MANIFEST} lacks its key factors ({e})")
+        return verdict
+    if actual != entry.key or manifest.get("key") != entry.key:
+        verdict.problems.append(f"artifact {entry.path} is filed under {entry.key} but its manifest says "
+                                f"{manifest.get('key')} and its factors hash to {actual}: it was renamed or edited")
+    return verdict

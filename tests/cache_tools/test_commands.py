@@ -1,0 +1,287 @@
+"""`kiln cache`: every subcommand on real artifacts (copies of the session's compiled demo llama)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln import LLM, SamplingParams
+from kiln.cache_tools.units import parse_age, parse_size
+from kiln.cli import main
+from kiln.compiler import artifact, usage
+from kiln.compiler.key import cache_key, model_factors
+from kiln.config import CompileConfig, PassConfig
+from kiln.models.config import ModelConfig
+from kiln.models.registry import create_model
+from tests.processes import bare_env, free_port, serving
+
+DAY = 86400.0
+
+
+def kiln_cache_cmd(capsys, *args) -> tuple[int, str]:
+    capsys.readouterr()
+    status = main(["cache", *map(str, args)])
+    out = capsys.readouterr()
+    return status, out.out + out.err
+
+
+def as_json(capsys, *args):
+    status, out = kiln_cache_cmd(capsys, *args, "--json")
+    assert status == 0, out
+    return json.loads(out)
+
+
+@pytest.fixture
+def cache(tmp_path, llama_artifact) -> Path:
+    """A private cache holding a copy of the session's llama artifact (tests here damage and delete)."""
+    cache = tmp_path / "cache"
+    shutil.copytree(llama_artifact, cache / llama_artifact.name)
+    return cache
+
+
+def _with_factors(cache: Path, source: Path, factors: dict) -> Path:
+    """A copy of `source` as a compile with `factors` would have filed it."""
+    key = cache_key(factors)
+    shutil.copytree(source, cache / key)
+    manifest = json.loads((cache / key / artifact.MANIFEST).read_text())
+    manifest["factors"], manifest["key"] = factors, key
+    (cache / key / artifact.MANIFEST).write_text(json.dumps(manifest))
+    return cache / key
+
+
+def test_units():
+    assert parse_size("10G") == 10 << 30 and parse_size("500m") == 500 << 20 and parse_size("1.5KiB") == 1536
+    assert parse_age("7d") == 7 * DAY and parse_age("12h") == 12 * 3600
+    with pytest.raises(ValueError, match="expected a size"):
+        parse_size("ten gigs")
+
+
+def test_ls_and_info(cache, llama_artifact, demo_dirs, capsys):
+    key = llama_artifact.name
+    status, out = kiln_cache_cmd(capsys, "ls", "--cache-dir", cache)
+    assert status == 0 and key[:12] in out and "llama (LlamaForCausalLM, 4L)" in out and "never" in out
+    (entry,) = as_json(capsys, "ls", "--cache-dir", cache)
+    files = [p for p in (cache / key).rglob("*") if p.is_file()]
+    assert entry["bytes"] == sum(p.stat().st_size for p in files)
+    assert entry["torch"] == torch.__version__ and entry["isa"] == torch.backends.cpu.get_cpu_capability()
+    assert entry["model"] == "llama" and entry["last_used"] is None
+
+    LLM(demo_dirs["llama"], compile=True, cache_dir=cache, require_artifact=True)  # a load is a use
+    (entry,) = as_json(capsys, "ls", "--cache-dir", cache)
+    assert entry["last_used"] is not None and time.time() - entry["last_used"] < 60
+
+    manifest = json.loads((cache / key / artifact.MANIFEST).read_text())
+    status, out = kiln_cache_cmd(capsys, "info", key[:6], "--cache-dir", cache)
+    assert status == 0
+    for name, piece in manifest["variants"][0]["pieces"].items():
+        assert f"{name}  dynamic  {piece['sizes']['dynamic']['sha256'][:16]}" in out
+    for p in manifest["variants"][0]["passes"]:
+        assert any(line.split()[:2] == [p["name"], str(p["matches"])] for line in out.splitlines()), p
+    assert "trace" in out and "compile" in out and "total" in out
+    assert as_json(capsys, "info", key, "--cache-dir", cache)["manifest"] == manifest
+
+    status, out = kiln_cache_cmd(capsys, "info", "ffff", "--cache-dir", cache)
+    assert status == 1 and "no artifact 'ffff'" in out and "Traceback" not in out
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_verify_names_the_corrupt_file(cache, llama_artifact, capsys):
+    status, out = kiln_cache_cmd(capsys, "verify", "--cache-dir", cache)
+    assert status == 0 and out.startswith(f"ok      {llama_artifact.name}")
+    blob = next((cache / llama_artifact.name / "blobs").iterdir())
+    _flip_byte(blob)
+    kernel = next((cache / llama_artifact.name / "kernels").iterdir())
+    kernel.unlink()
+    status, out = kiln_cache_cmd(capsys, "verify", llama_artifact.name[:8], "--cache-dir", cache)
+    assert status == 1
+    assert f"artifact blob {blob} is corrupt (sha256 mismatch)" in out
+    assert f"artifact kernel {kernel} is missing" in out
+    (verdict,) = json.loads(kiln_cache_cmd(capsys, "verify", "--cache-dir", cache, "--json")[1])
+    assert not verdict["ok"] and len(verdict["problems"]) == 2
+
+
+def test_verify_catches_a_renamed_artifact(cache, llama_artifact, capsys):
+    os.replace(cache / llama_artifact.name, cache / ("0" * 32))
+    status, out = kiln_cache_cmd(capsys, "verify", "--cache-dir", cache)
+    assert status == 1 and f"its factors hash to {llama_artifact.name}: it was renamed or edited" in out
+
+
+def _factors(model_dir: Path, dtype: torch.dtype, passes: PassConfig) -> dict:
+    model = create_model(ModelConfig.from_model_dir(model_dir), dtype)
+    return model_factors(model, CompileConfig(passes=passes))
+
+
+def test_explain_two_keys_that_differ_in_dtype_and_one_pass(cache, llama_artifact, demo_dirs, capsys):
+    mine = _factors(demo_dirs["llama"], torch.float32, PassConfig())
+    assert cache_key(mine) == llama_artifact.name  # the factors `kiln compile` would use
+    other = _with_factors(cache, llama_artifact, _factors(demo_dirs["llama"], torch.bfloat16,
+                                                          PassConfig(rms_quant=False)))
+    status, out = kiln_cache_cmd(capsys, "explain", llama_artifact.name, other.name[:10], "--cache-dir", cache)
+    assert status == 0
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[1:]}
+    assert set(rows) == {"dtype", "compile.passes.rms_quant", "passes.rms_quant"}, out
+    assert rows["dtype"][:2] == ["float32", "bfloat16"]
+    assert rows["compile.passes.rms_quant"][:2] == ["True", "False"]
+    assert "pass rms_quant runs for" in out and llama_artifact.name[:12] in out
+    diff = as_json(capsys, "explain", llama_artifact.name, other.name, "--cache-dir", cache)["differences"]
+    assert [d["factor"] for d in diff] == ["compile.passes.rms_quant", "dtype", "passes.rms_quant"]
+
+
+def test_explain_a_model_against_the_cache(cache, llama_artifact, demo_dirs, capsys):
+    model = demo_dirs["llama"]
+    status, out = kiln_cache_cmd(capsys, "explain", "--model", model, "--cache-dir", cache)
+    assert status == 0 and f"{llama_artifact.name} is in the cache" in out
+    got = as_json(capsys, "explain", "--model", model, "--cache-dir", cache, "--dtype", "bfloat16",
+                  "--disable-pass", "act-quant")
+    assert got["hit"] is False and got["nearest"] == llama_artifact.name
+    assert [d["factor"] for d in got["differences"]] == ["compile.passes.act_quant", "dtype", "passes.act_quant"]
+    status, out = kiln_cache_cmd(capsys, "explain", "--cache-dir", cache, llama_artifact.name)
+    assert status == 1 and "two keys" in out
+
+
+HOLD = """
+import sys
+from pathlib import Path
+from kiln.compiler import usage
+path = Path(sys.argv[2])
+if sys.argv[1] == "load":
+    lease = usage.acquire(path)
+    print("held", flush=True)
+    sys.stdin.read()
+else:
+    with usage.compile_lock(path):
+        print("held", flush=True)
+        sys.stdin.read()
+"""
+
+
+def _holder(how: str, path: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, how, str(path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def _age(path: Path, days: float) -> None:
+    t = time.time() - days * DAY
+    os.utime(path, (t, t))
+    if usage.use_file(path).exists():
+        os.utime(usage.use_file(path), (t, t))
+
+
+def test_prune_by_age_skips_keys_in_use(cache, llama_artifact, capsys):
+    keys = [llama_artifact.name] + [_with_factors(cache, llama_artifact, {"copy": i}).name for i in range(4)]
+    paths = [cache / k for k in keys]
+    loaded, compiling = _holder("load", paths[2]), _holder("compile", paths[3])
+    for path, days in zip(paths, [1, 8, 9, 10, 11]):
+        _age(path, days)
+    usage.record_use(paths[4])  # created long ago, used just now: recent
+    try:
+        status, out = kiln_cache_cmd(capsys, "prune", "--older-than", "7d", "--dry-run", "--cache-dir", cache)
+        assert status == 0 and all(p.exists() for p in paths) and "would remove 3 artifacts" in out
+        got = as_json(capsys, "prune", "--older-than", "7d", "--cache-dir", cache)
+    finally:
+        for proc in (loaded, compiling):
+            proc.communicate("")
+    assert got["removed"] == [keys[1]]
+    assert got["busy"] == {keys[2]: f"{keys[2]} is loaded by a running process",
+                           keys[3]: f"{keys[3]} is being compiled"}
+    assert [p.exists() for p in paths] == [True, False, True, True, True]
+    assert not usage.use_file(paths[1]).exists() and not list(cache.glob(".stale-*"))
+
+
+def test_prune_to_a_size_removes_least_recently_used(cache, llama_artifact, capsys):
+    keys = [llama_artifact.name] + [_with_factors(cache, llama_artifact, {"copy": i}).name for i in range(2)]
+    for key, days in zip(keys, [3, 1, 2]):
+        _age(cache / key, days)
+    size = sum(p.stat().st_size for p in (cache / keys[0]).rglob("*") if p.is_file())
+    got = as_json(capsys, "prune", "--max-size", f"{2 * size + 100}B", "--cache-dir", cache)
+    assert got["removed"] == [keys[0]] and got["freed_bytes"] == size
+    assert sorted(p.name for p in cache.iterdir() if not p.name.startswith(".")) == sorted(keys[1:])
+    with pytest.raises(SystemExit) as exit:
+        main(["cache", "prune", "--max-size", "lots", "--cache-dir", str(cache)])
+    assert exit.value.code == 2 and "expected a size like 500M or 10G, got 'lots'" in capsys.readouterr().err
+
+
+def test_export_import_then_serve_with_no_compiler(cache, llama_artifact, demo_dirs, tmp_path, capsys):
+    tarball = tmp_path / "out" / "llama.tar.gz"
+    status, out = kiln_cache_cmd(capsys, "export", llama_artifact.name[:8], "-o", tarball, "--cache-dir", cache)
+    assert status == 0 and tarball.is_file() and not list(tarball.parent.glob(".*"))
+    with tarfile.open(tarball) as tar:
+        assert {Path(m.name).parts[0] for m in tar.getmembers()} == {llama_artifact.name}
+
+    fresh = tmp_path / "fresh-cache"
+    got = as_json(capsys, "import", tarball, "--cache-dir", fresh)
+    assert got == {"key": llama_artifact.name, "path": str(fresh / llama_artifact.name), "new": True}
+    assert as_json(capsys, "import", tarball, "--cache-dir", fresh)["new"] is False
+    assert kiln_cache_cmd(capsys, "verify", "--cache-dir", fresh)[0] == 0
+
+    port = free_port()
+    env = bare_env(tmp_path / "bare")
+    cmd = [sys.executable, "-m", "kiln", "-v", "serve", str(demo_dirs["llama"]), "--port", str(port),
+           "--cache-dir", str(fresh), "--require-artifact"]
+    import httpx
+
+    body = {"model": "llama", "prompt": "The kiln was", "max_tokens": 8, "temperature": 0}
+    with serving(cmd, port, tmp_path / "serve.log", env=env) as url:
+        served = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["text"]
+    log = (tmp_path / "serve.log").read_text()
+    assert f"loaded artifact {llama_artifact.name}" in log and "compiling" not in log
+    eager = LLM(demo_dirs["llama"]).generate("The kiln was", SamplingParams(max_tokens=8, temperature=0))[0]
+    assert served == eager.text
+
+
+def test_import_refuses_damaged_and_foreign_tarballs(cache, llama_artifact, tmp_path, capsys):
+    blob = next((cache / llama_artifact.name / "blobs").iterdir())
+    _flip_byte(blob)
+    status, out = kiln_cache_cmd(capsys, "export", llama_artifact.name, "-o", tmp_path / "x.tar.gz", "--cache-dir",
+                                 cache)
+    assert status == 1 and "will not export a damaged artifact" in out and not (tmp_path / "x.tar.gz").exists()
+
+    damaged = tmp_path / "damaged.tar.gz"
+    with tarfile.open(damaged, "w:gz") as tar:
+        tar.add(cache / llama_artifact.name, arcname=llama_artifact.name)
+    fresh = tmp_path / "fresh"
+    status, out = kiln_cache_cmd(capsys, "import", damaged, "--cache-dir", fresh)
+    assert status == 1 and f"blobs/{blob.name} is corrupt (sha256 mismatch)" in out
+    assert not [p for p in fresh.iterdir() if not p.name.startswith(".")] and not list(fresh.glob(".import-*"))
+
+    foreign = tmp_path / "foreign.tar.gz"
+    with tarfile.open(foreign, "w:gz") as tar:
+        tar.add(cache / llama_artifact.name / artifact.MANIFEST, arcname="../etc/manifest.json")
+    status, out = kiln_cache_cmd(capsys, "import", foreign, "--cache-dir", fresh)
+    assert status == 1 and "is not a kiln artifact export" in out
+    status, out = kiln_cache_cmd(capsys, "import", tmp_path / "nothing.tar.gz", "--cache-dir", fresh)
+    assert status == 1 and "does not exist" in out
+
+
+def test_dump_writes_readable_code(cache, llama_artifact, tmp_path, capsys):
+    out_dir = tmp_path / "dump"
+    status, out = kiln_cache_cmd(capsys, "dump", llama_artifact.name, "-o", out_dir, "--cache-dir", cache)
+    assert status == 0
+    manifest = json.loads((out_dir / artifact.MANIFEST).read_text())
+    assert (out_dir / "programs" / "0.py").read_text() == (cache / llama_artifact.name / "programs" / "0.py").read_text()
+    assert "def backbone(input_ids, positions, kv_caches, attn_metadata)" in \
+        (out_dir / "debug" / "dynamo" / "decompiled.py").read_text()
+    assert "torch.ops.kiln.attention" in (out_dir / "debug" / "graphs" / "before_passes.py").read_text()
+    assert len(list((out_dir / "debug" / "graphs").glob("submod_*.py"))) == 9  # 4 layers: 2L+1 pieces
+    blobs = {e["sha256"] for p in manifest["variants"][0]["pieces"].values() for e in p["sizes"].values()}
+    generated = list((out_dir / "inductor").iterdir())
+    assert len(generated) == len(blobs) == 3
+    for path in generated:
+        text = path.read_text()
+        assert text.startswith("# runs variant 0 submod_") and "def call(" in text and "extern \"C\"" in text
+    status, out = kiln_cache_cmd(capsys, "dump", llama_artifact.name, "-o", out_dir, "--cache-dir", cache)
+    assert status == 1 and "is not empty" in out

@@ -1,0 +1,179 @@
+"""`kiln bench startup`: the summary, the checks and the chart on synthetic results (fast), and one real
+run on a one-layer model (a cold compile, ~40 s on 2 cores)."""
+
+import argparse
+import json
+import sys
+import tempfile
+
+import pytest
+
+from kiln.bench import startup
+from kiln.errors import KilnError
+
+IDLE = {"graphs_traced": 0, "pieces_compiled": 0}
+COLD = {"graphs_traced": 1, "pieces_compiled": 3, "blobs_saved": 3}
+LOADED = {"graphs_traced": 0, "pieces_compiled": 0, "blobs_loaded": 3}
+
+
+def parse(*argv) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    startup.add_arguments(parser)
+    return parser.parse_args([str(a) for a in argv])
+
+
+def mode(seconds: list[float], counters: dict) -> dict:
+    return startup.summarize([startup.Sample(s, dict(counters)) for s in seconds])
+
+
+def synthetic(artifact_s: float = 4.0, eager_s: float = 4.0, cold=COLD, warm=IDLE, artifact=LOADED) -> dict:
+    """A result shaped as `measure` returns it, three runs per mode."""
+    modes = {
+        "cold_compile": mode([30.0, 33.0, 31.0], cold),
+        "warm_compile": mode([3.0, 3.2, 3.1], warm),
+        "artifact_first_token": mode([artifact_s * 0.9, artifact_s, artifact_s * 1.2], artifact),
+        "eager_first_token": mode([eager_s, eager_s * 1.1, eager_s * 0.95], IDLE),
+    }
+    return {"model": "/models/demo", "dtype": "float32", "repetitions": 3, "artifact": {"blobs": 3},
+            "modes": modes, "artifact_over_eager": round(artifact_s / eager_s, 3)}
+
+
+def test_summary_is_median_and_min_max_of_the_samples_in_order():
+    counters = [{"graphs_traced": i} for i in range(4)]
+    summary = startup.summarize([startup.Sample(s, c) for s, c in zip([3.0, 1.0, 2.5, 10.0], counters)])
+    assert summary["samples_s"] == [3.0, 1.0, 2.5, 10.0]
+    assert (summary["median_s"], summary["min_s"], summary["max_s"]) == (2.75, 1.0, 10.0)
+    assert summary["counters"] == counters
+    one = startup.summarize([startup.Sample(4.2, {})])
+    assert one["median_s"] == one["min_s"] == one["max_s"] == 4.2
+    with pytest.raises(ValueError, match="no samples"):
+        startup.summarize([])
+
+
+def test_checks_pass_on_a_good_result():
+    checks = startup.check(synthetic(artifact_s=5.0, eager_s=4.0), max_artifact_ratio=1.5)
+    assert startup.failed(checks) == []
+    assert all(c["passed"] is True for c in checks.values())
+    assert checks["artifact_over_eager"]["value"] == 1.25 and checks["artifact_over_eager"]["limit"] == 1.5
+
+
+def test_artifact_at_1_6x_eager_fails_the_ratio_check():
+    checks = startup.check(synthetic(artifact_s=6.4, eager_s=4.0), max_artifact_ratio=1.5)
+    assert startup.failed(checks) == ["artifact_over_eager"]
+    assert "1.60x" in checks["artifact_over_eager"]["detail"] and "1.5x" in checks["artifact_over_eager"]["detail"]
+
+
+def test_ratio_check_reads_the_ratio_not_seconds():
+    fast, slow = synthetic(artifact_s=0.64, eager_s=0.4), synthetic(artifact_s=64.0, eager_s=40.0)
+    for result in (fast, slow):
+        assert startup.failed(startup.check(result, 1.5)) == ["artifact_over_eager"]
+        assert startup.failed(startup.check(result, 1.7)) == []
+
+
+def test_without_a_limit_the_ratio_is_reported_not_checked():
+    checks = startup.check(synthetic(artifact_s=40.0, eager_s=4.0), max_artifact_ratio=None)
+    assert checks["artifact_over_eager"]["passed"] is None and checks["artifact_over_eager"]["value"] == 10.0
+    assert startup.failed(checks) == []
+
+
+def test_a_warm_compile_that_compiled_fails():
+    checks = startup.check(synthetic(warm={"graphs_traced": 1, "pieces_compiled": 3}), max_artifact_ratio=1.5)
+    assert startup.failed(checks) == ["warm_compile_compiles_nothing"]
+    assert "run 1" in checks["warm_compile_compiles_nothing"]["detail"]
+
+
+@pytest.mark.parametrize("counters", [{"graphs_traced": 0, "pieces_compiled": 1, "blobs_loaded": 3},
+                                      {"graphs_traced": 0, "pieces_compiled": 0}],  # no blobs: not the artifact
+                         ids=["compiled", "loaded-nothing"])
+def test_an_artifact_run_that_compiled_or_loaded_nothing_fails(counters):
+    checks = startup.check(synthetic(artifact=counters), max_artifact_ratio=1.5)
+    assert startup.failed(checks) == ["artifact_load_compiles_nothing"]
+
+
+def test_a_cold_compile_that_compiled_nothing_fails():
+    checks = startup.check(synthetic(cold=IDLE), max_artifact_ratio=None)
+    assert startup.failed(checks) == ["cold_compile_compiles"]
+
+
+@pytest.mark.parametrize("artifact_s, status", [(5.0, 0), (6.4, 1)], ids=["pass", "ratio-fails"])
+def test_run_prints_json_writes_out_and_sets_the_exit_status(artifact_s, status, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(startup, "measure", lambda *a, **k: synthetic(artifact_s=artifact_s, eager_s=4.0))
+    (tmp_path / "config.json").write_text("{}")
+    out = tmp_path / "result.json"
+    assert startup.run(parse(tmp_path, "--max-artifact-ratio", "1.5", "--out", out)) == status
+    printed = capsys.readouterr()
+    result = json.loads(printed.out)
+    assert json.loads(out.read_text()) == result
+    assert result["passed"] is (status == 0) and set(result["checks"]) == {
+        "cold_compile_compiles", "warm_compile_compiles_nothing", "artifact_load_compiles_nothing",
+        "artifact_over_eager"}
+    assert ("check artifact_over_eager FAILED" in printed.err) is (status == 1)
+
+
+def test_bad_input_is_refused_before_measuring(tmp_path, monkeypatch):
+    def measure(*args, **kwargs):
+        raise AssertionError("measured although the input was unusable")
+
+    monkeypatch.setattr(startup, "measure", measure)
+    with pytest.raises(KilnError, match="no config.json"):
+        startup.run(parse(tmp_path / "missing"))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(KilnError, match="does not exist"):
+        startup.run(parse(tmp_path, "--out", tmp_path / "no-such-dir" / "r.json"))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with pytest.raises(KilnError, match="pip install matplotlib"):
+        startup.run(parse(tmp_path, "--chart", tmp_path / "c.png"))
+    for bad in (["--repeats", "0"], ["--max-artifact-ratio", "0"], ["--max-artifact-ratio", "x"]):
+        with pytest.raises(SystemExit):
+            parse(tmp_path, *bad)
+
+
+def test_chart_is_a_png_of_the_medians(tmp_path):
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
+    path = tmp_path / "startup.png"
+    startup.write_chart(synthetic(), path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert imread(path).shape[:2] == (576, 960)  # 8 x 4.8 inches at 120 dpi
+
+
+def test_bench_startup_end_to_end(tmp_path, monkeypatch, capsys):
+    """The real measurement: a cold compile, a warm one, an artifact and an eager first token, once each."""
+    from kiln.models.demo import write_demo_model
+
+    model = write_demo_model(tmp_path / "one-layer", num_layers=1, train_steps=0)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where measure makes (and must remove) its dirs
+    out = tmp_path / "result.json"
+    status = startup.run(parse(model, "--repeats", 1, "--max-artifact-ratio", 100, "--out", out))
+    printed = capsys.readouterr()
+    result = json.loads(printed.out)
+    assert status == 0, printed.err
+    assert json.loads(out.read_text()) == result and list(scratch.iterdir()) == []
+    assert result["repetitions"] == 1 and result["model"] == str(model.resolve())
+    assert set(result["machine"]) == {"cpus", "python", "torch"}
+    modes = result["modes"]
+    assert list(modes) == list(startup.MODES)
+    for name, summary in modes.items():
+        assert len(summary["samples_s"]) == len(summary["counters"]) == 1, name
+        assert summary["min_s"] == summary["median_s"] == summary["max_s"] > 0, name
+        assert f"{startup.LABELS[name]} 1/1:" in printed.err
+    (cold,) = modes["cold_compile"]["counters"]
+    assert cold["graphs_traced"] == 1 and cold["pieces_compiled"] >= 1
+    (warm,) = modes["warm_compile"]["counters"]
+    assert warm["graphs_traced"] == 0 and warm["pieces_compiled"] == 0
+    (artifact,) = modes["artifact_first_token"]["counters"]
+    assert artifact["graphs_traced"] == 0 and artifact["pieces_compiled"] == 0
+    assert artifact["blobs_loaded"] == result["artifact"]["blobs"] == cold["blobs_saved"]
+    assert modes["cold_compile"]["median_s"] > modes["warm_compile"]["median_s"]
+    ratio = modes["artifact_first_token"]["median_s"] / modes["eager_first_token"]["median_s"]
+    assert result["artifact_over_eager"] == pytest.approx(ratio, abs=1e-3)
+    checks = result["checks"]
+    assert {name: c["passed"] for name, c in checks.items()} == {
+        "cold_compile_compiles": True, "warm_compile_compiles_nothing": True,
+        "artifact_load_compiles_nothing": True, "artifact_over_eager": True}
+    assert checks["artifact_over_eager"]["limit"] == 100
+    assert checks["artifact_over_eager"]["value"] == result["artifact_over_eager"]
+    assert result["passed"] is True
