@@ -99,6 +99,20 @@ class CompileConfig:
         return [(a + 1, b) for a, b in zip(bounds, bounds[1:])]
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Where this process sits in tensor parallelism: models shard by it, `kiln::all_reduce` sums
+    over `group_name` ("": the default group)."""
+
+    rank: int = 0
+    world_size: int = 1
+    group_name: str = ""
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.world_size:
+            raise KilnError(f"tensor parallel rank {self.rank} is outside world size {self.world_size}")
+
+
 def default_cache_dir() -> Path:
     """Where artifacts live: `$KILN_CACHE`, else ~/.cache/kiln."""
     return Path(os.environ.get("KILN_CACHE") or Path.home() / ".cache" / "kiln").expanduser()
