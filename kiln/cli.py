@@ -208,6 +208,8 @@ def _cmd_cache(args: argparse.Namespace) -> int:
                 raise KilnError("explain needs two keys (KEY_A KEY_B) or --model DIR")
             return commands.explain_keys(cache, *args.keys, as_json)
         case "prune":
+            if args.older_than is None and args.max_size is None:
+                raise KilnError("prune needs --older-than AGE, --max-size SIZE or both")
             return commands.prune_cache(cache, args.older_than, args.max_size, args.dry_run, as_json)
         case "export":
             return commands.export(cache, args.key, args.output, as_json)

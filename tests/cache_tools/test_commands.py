@@ -213,6 +213,8 @@ def test_prune_to_a_size_removes_least_recently_used(cache, llama_artifact, caps
     with pytest.raises(SystemExit) as exit:
         main(["cache", "prune", "--max-size", "lots", "--cache-dir", str(cache)])
     assert exit.value.code == 2 and "expected a size like 500M or 10G, got 'lots'" in capsys.readouterr().err
+    status, out = kiln_cache_cmd(capsys, "prune", "--cache-dir", cache)
+    assert status == 1 and "prune needs --older-than AGE, --max-size SIZE or both" in out
 
 
 def test_export_import_then_serve_with_no_compiler(cache, llama_artifact, demo_dirs, tmp_path, capsys):
