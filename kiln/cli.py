@@ -314,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     comp = sub.add_parser("compile", help="trace and compile a model into a cached artifact",
                           description="Trace the model's decoder once, split it at attention, compile each unique "
-                          "piece with Inductor and save one artifact (program, compiled pieces, built kernels) "
+                          "piece with AOTInductor and save one artifact (program, compiled piece libraries) "
                           "under the cache directory. Prints a table of stage timings and the artifact path. "
                           "An artifact already present and valid is reused.")
     comp.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model directory (config.json, "

@@ -155,7 +155,7 @@ def first_token(model_dir: Path, mode: str, cache: Path, work: Path, dtype: str 
 def artifact_size(path: Path) -> dict[str, int]:
     """The artifact's unique compiled pieces (blobs) and its bytes on disk: what a load reads."""
     files = [p for p in path.rglob("*") if p.is_file()]
-    return {"blobs": len(list((path / "blobs").iterdir())), "bytes": sum(p.stat().st_size for p in files)}
+    return {"blobs": len(list((path / "blobs").glob("*.so"))), "bytes": sum(p.stat().st_size for p in files)}
 
 
 def summarize(samples: list[Sample]) -> dict[str, Any]:

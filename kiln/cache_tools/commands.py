@@ -95,7 +95,7 @@ def info(cache_dir: Path, key: str, as_json: bool) -> int:
                   f"{f['system']['machine']} {_isa(entry)}"],
         ["last used", _when(entry.last_used)],
         ["size", f"{format_size(entry.bytes)}: " + ", ".join(
-            f"{n} {folder} ({format_size(b)})" for folder in ("blobs", "kernels", "programs", "debug")
+            f"{n} {folder} ({format_size(b)})" for folder in ("blobs", "programs", "debug")
             for n, b in [_folder_bytes(entry, folder)])],
     ], tablefmt="plain"))
     for i, variant in enumerate(m["variants"]):
@@ -222,5 +222,5 @@ def dump_artifact(cache_dir: Path, key: str, out: Path | None, as_json: bool) ->
     else:
         print(f"wrote {len(written)} files for {entry.key} to {out}/: manifest.json, programs/ (stitching code), "
               "debug/dynamo/ (decompiled bytecode, Dynamo graph), debug/graphs*/ (before and after passes, each "
-              "piece), inductor/ (generated code per compiled piece)")
+              "piece), debug/inductor/ (generated C++ per compiled piece)")
     return 0

@@ -4,19 +4,20 @@
 <cache>/<key>/
   manifest.json    format, versions, system, key factors, input contract, variants, kernels, timings
   programs/<i>.py  variant i's stitching code (plain Python calling pieces and attention in order)
-  blobs/<sha256>   one per unique compiled piece and size (Inductor's serialized output)
-  kernels/<k>.so   the built C++ kernels those pieces call, named by the content of their source
+  blobs/<sha>.so   one per unique compiled piece and size: AOTInductor's library, kernels inside
+  blobs/<sha>.json the custom-op calls that library makes (torch's runner reads it beside the .so)
   debug/           what was compiled, as text: Dynamo's bytecode (depyf-decompiled) and graph, the
-                   graphs before and after the passes, each piece (`kiln cache dump` reads them)
+                   graphs before and after the passes, each piece, each library's generated C++
+                   (`kiln cache dump` reads them)
 ```
 
 A variant is the backbone as one pass pipeline shaped it, for the token counts it serves (size
 ranges and static sizes). There is one unless a pass applies to some sizes only.
 
-Loading runs neither Dynamo nor a C++ compiler; this module is what the runtime may import.
+Loading runs neither Dynamo nor a C++ compiler, and imports none of Inductor: this module is what
+the runtime may import.
 """
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -25,14 +26,14 @@ import platform
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
 import kiln
-from kiln.compiler import kernel_store, usage
+from kiln.compiler import usage
+from kiln.compiler.aoti import CALLS_SUFFIX, LIBRARY_SUFFIX, LoadedLibrary
 from kiln.compiler.counters import counters
 from kiln.compiler.key import python_version, system_info
 from kiln.compiler.program import ByTokenCount, CompiledProgram, GraphInput, SizedPiece, load_program
@@ -41,7 +42,7 @@ from kiln.errors import KilnError
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 PROGRAMS = "programs"
 RECOMPILE = "run `kiln compile` again"
@@ -64,9 +65,8 @@ def _sha256(path: Path) -> str:
 
 
 def _torch_build() -> str:
-    from torch._inductor.codecache import torch_key
-
-    return torch_key().hex()
+    """The commit torch was built from: libraries link against this libtorch's C++ ABI."""
+    return torch.version.git_version
 
 
 def _entry(path: Path) -> dict:
@@ -75,7 +75,7 @@ def _entry(path: Path) -> dict:
 
 
 def _blob_entries(manifest: dict) -> list[dict]:
-    """Each distinct blob the pieces use, once (identical layers and variants share theirs)."""
+    """Each distinct blob (library) the pieces use, once (identical layers and variants share theirs)."""
     return list({e["sha256"]: e for v in manifest["variants"] for p in v["pieces"].values()
                  for e in p["sizes"].values()}.values())
 
@@ -102,23 +102,23 @@ def save(
     factors: dict,
     inputs: list[dict],
     variants: list[dict],
-    kernels: dict[str, Path],
     info: dict,
     debug: dict[str, str] | None = None,
 ) -> None:
     """Write the artifact into a temporary sibling of `path`, then move it into place in one step.
 
     Each of `variants` has `ranges`, `sizes`, `program` (source), `passes` (report entries) and
-    `pieces`: piece name -> an object with `compiled` ({size or None: Inductor artifact}), `tokens`
-    and `returns_tuple`. `kernels` maps content key -> built library; `debug` maps a relative path
-    under debug/ -> text.
+    `pieces`: piece name -> an object with `compiled` ({size or None: CompiledLibrary}), `tokens`,
+    `returns_tuple` and `tensor_args`. `debug` maps a relative path under debug/ -> text; each
+    library's C++ is added under debug/inductor/.
     """
     path = Path(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
     try:
-        for folder in ("blobs", "kernels", PROGRAMS):
+        for folder in ("blobs", PROGRAMS):
             (tmp / folder).mkdir()
-        blob_of: dict[int, dict] = {}  # id(Inductor artifact) -> blob entry; identical pieces share
+        debug = dict(debug or {})
+        blob_of: dict[int, dict] = {}  # id(CompiledLibrary) -> blob entry; identical pieces share
         variant_entries = []
         for i, variant in enumerate(variants):
             entries = {}
@@ -126,24 +126,18 @@ def save(
                 sizes = {}
                 for size, compiled in build.compiled.items():
                     if id(compiled) not in blob_of:
-                        staged = tmp / "blobs" / "staged"
-                        compiled.save(path=str(staged), format="binary")
-                        blob_of[id(compiled)] = entry = _entry(staged)
-                        os.replace(staged, tmp / "blobs" / entry["sha256"])
+                        blob_of[id(compiled)] = _save_library(tmp / "blobs", compiled, debug)
                         counters["blobs_saved"] += 1
                     sizes["dynamic" if size is None else str(size)] = blob_of[id(compiled)]
-                entries[name] = {"sizes": sizes, "tokens": build.tokens, "returns_tuple": build.returns_tuple}
+                entries[name] = {"sizes": sizes, "tokens": build.tokens, "returns_tuple": build.returns_tuple,
+                                 "tensor_args": list(build.tensor_args)}
             program = _write_file(tmp / PROGRAMS / f"{i}.py", variant["program"].encode())
             variant_entries.append({"ranges": [list(r) for r in variant["ranges"]], "sizes": list(variant["sizes"]),
                                     "program": program, "pieces": entries, "passes": variant["passes"]})
         debug_entries = {}
-        for rel, text in sorted((debug or {}).items()):
+        for rel, text in sorted(debug.items()):
             (tmp / "debug" / rel).parent.mkdir(parents=True, exist_ok=True)
             debug_entries[rel] = _write_file(tmp / "debug" / rel, text.encode())
-        kernel_entries = {}
-        for key, built in sorted(kernels.items()):
-            shutil.copyfile(built, tmp / "kernels" / f"{key}.so")
-            kernel_entries[key] = _entry(tmp / "kernels" / f"{key}.so")
         manifest = {
             "format": FORMAT_VERSION,
             "key": path.name,
@@ -154,7 +148,6 @@ def save(
             "factors": factors,  # torch and Python versions, system: what verify() checks
             "inputs": inputs,
             "variants": variant_entries,
-            "kernels": kernel_entries,
             "debug": debug_entries,
             **info,
         }
@@ -165,8 +158,21 @@ def save(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info("saved artifact %s (%d variants, %d blobs, %d kernels)", path, len(variant_entries), len(blob_of),
-                len(kernel_entries))
+    logger.info("saved artifact %s (%d variants, %d blobs)", path, len(variant_entries), len(blob_of))
+
+
+def _save_library(blobs: Path, compiled, debug: dict[str, str]) -> dict:
+    """Write one library as blobs/<sha256>.so (and its call table beside it); add its C++ to
+    `debug`; return its manifest entry."""
+    staged = blobs / f"staged{LIBRARY_SUFFIX}"
+    staged.write_bytes(compiled.library)
+    entry = _entry(staged)
+    library = blobs / f"{entry['sha256']}{LIBRARY_SUFFIX}"
+    os.replace(staged, library)
+    entry["calls"] = None if compiled.calls is None else _write_file(library.with_suffix(CALLS_SUFFIX), compiled.calls)
+    for name, text in compiled.sources.items():
+        debug[f"inductor/{entry['sha256'][:16]}/{name}"] = text
+    return entry
 
 
 def remove(path: Path) -> None:
@@ -205,8 +211,10 @@ def _file_problem(path: Path, entry: dict, what: str) -> str | None:
 def pinned_files(path: Path, manifest: dict) -> list[tuple[Path, dict, str]]:
     """Every file the manifest pins: (path, entry, what it is)."""
     files = [(path / PROGRAMS / f"{i}.py", v["program"], "program") for i, v in enumerate(manifest["variants"])]
-    files += [(path / "blobs" / e["sha256"], e, "blob") for e in _blob_entries(manifest)]
-    files += [(path / "kernels" / f"{key}.so", e, "kernel") for key, e in manifest["kernels"].items()]
+    for e in _blob_entries(manifest):
+        files.append((blob_path(path, e), e, "blob"))
+        if e["calls"] is not None:
+            files.append((blob_path(path, e).with_suffix(CALLS_SUFFIX), e["calls"], "blob call table"))
     files += [(path / "debug" / rel, e, "debug file") for rel, e in manifest.get("debug", {}).items()]
     return files
 
@@ -258,15 +266,18 @@ def verify(path: Path) -> dict:
     return manifest
 
 
-def _load_blob(path: Path) -> Callable:
-    from torch._inductor import CompiledArtifact
+def blob_path(path: Path, entry: dict) -> Path:
+    """Where the library a manifest blob entry pins lives."""
+    return Path(path) / "blobs" / f"{entry['sha256']}{LIBRARY_SUFFIX}"
 
+
+def _load_library(library: Path, tensor_args: tuple[int, ...], device: str) -> LoadedLibrary:
     try:
-        return CompiledArtifact.load(path=str(path), format="binary")
+        return LoadedLibrary(library, tensor_args, device)
     except KilnError:
         raise
-    except Exception as e:  # a blob that passed its checksum but torch cannot read
-        raise ArtifactError(f"artifact blob {path} does not load ({type(e).__name__}: {e}): {RECOMPILE}") from e
+    except Exception as e:  # a library that passed its checksum but will not load (another libtorch)
+        raise ArtifactError(f"artifact blob {library} does not load ({type(e).__name__}: {e}): {RECOMPILE}") from e
 
 
 def load(path: Path, model: nn.Module) -> CompiledProgram:
@@ -275,20 +286,24 @@ def load(path: Path, model: nn.Module) -> CompiledProgram:
     path = Path(path)
     lease = usage.acquire(path)  # before verifying: a pruner waits for no one it cannot see
     manifest = verify(path)
-    blobs: dict[str, Callable] = {}
-    with kernel_store.serving(path / "kernels"), _no_compile_workers():
-        for entry in _blob_entries(manifest):
-            blobs[entry["sha256"]] = _load_blob(path / "blobs" / entry["sha256"])
+    device = manifest["factors"]["system"]["device"]
+    blobs: dict[tuple[str, tuple[int, ...]], LoadedLibrary] = {}
+
+    def library(entry: dict, args: tuple[int, ...]) -> LoadedLibrary:
+        if (entry["sha256"], args) not in blobs:
+            blobs[entry["sha256"], args] = _load_library(blob_path(path, entry), args, device)
             counters["blobs_loaded"] += 1
+        return blobs[entry["sha256"], args]
+
     routes = []
     for i, variant in enumerate(manifest["variants"]):
         pieces = {}
         for name, entry in variant["pieces"].items():
-            sizes = entry["sizes"]
+            sizes, args = entry["sizes"], tuple(entry["tensor_args"])
             pieces[name] = SizedPiece(
-                dynamic=blobs[sizes["dynamic"]["sha256"]] if "dynamic" in sizes else None,
+                dynamic=library(sizes["dynamic"], args) if "dynamic" in sizes else None,
                 tokens=tuple(entry["tokens"]) if entry["tokens"] is not None else None,
-                static={int(s): blobs[e["sha256"]] for s, e in sizes.items() if s != "dynamic"},
+                static={int(s): library(e, args) for s, e in sizes.items() if s != "dynamic"},
                 returns_tuple=entry["returns_tuple"],
             )
         program = path / PROGRAMS / f"{i}.py"
@@ -314,11 +329,3 @@ def _check_weights(contract: list[dict], model: nn.Module) -> None:
             raise ArtifactError(f"artifact expects weight {entry['name']} {entry['shape']} {entry['dtype']}, the "
                                 f"model has {found}: the artifact was built for another model; {RECOMPILE}")
 
-
-@contextlib.contextmanager
-def _no_compile_workers():
-    """Inductor's loader may start compile workers when compile_threads > 1; a load needs none."""
-    from torch._inductor import config
-
-    with config.patch(compile_threads=1):
-        yield

@@ -22,7 +22,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from tqdm import tqdm
 
-from kiln.compiler import artifact, kernel_store, usage
+from kiln.compiler import artifact, usage
+from kiln.compiler.aoti import CompiledLibrary, check_compilable, compile_library, tensor_args
 from kiln.compiler.counters import counters
 from kiln.compiler.key import cache_key, model_factors
 from kiln.compiler.program import arg_names
@@ -111,11 +112,13 @@ def _static_examples(examples: list, token_symbol: str, n: int) -> tuple[list, F
 
 @dataclass
 class PieceBuild:
-    """One compiled piece: its Inductor artifacts by size (None: the dynamic compile)."""
+    """One compiled piece: its libraries by size (None: the dynamic compile), the token count's
+    location among its arguments, and which arguments (the tensors) its libraries take."""
 
-    compiled: dict[int | None, object]
+    compiled: dict[int | None, CompiledLibrary]
     tokens: tuple[int, int | None] | None
     returns_tuple: bool
+    tensor_args: tuple[int, ...]
 
 
 def compile_pieces(
@@ -140,8 +143,9 @@ def compile_pieces(
         for (piece, graph), key in zip(todo, keys):
             counters["pieces"] += 1
             examples = _examples(piece)
+            check_compilable(piece.name, graph, examples)
             tokens = _token_location(examples, token_symbol)
-            compiled: dict[int | None, object] = {}
+            compiled: dict[int | None, CompiledLibrary] = {}
             for size in wanted if tokens is not None else (None,):
                 if (key, size) not in done:
                     start = time.perf_counter()
@@ -149,9 +153,7 @@ def compile_pieces(
                         inputs, mode = examples, detect_fake_mode(examples)
                     else:
                         inputs, mode = _static_examples(examples, token_symbol, size)
-                    done[key, size] = torch._inductor.standalone_compile(
-                        copy.deepcopy(graph), inputs, dynamic_shapes="from_example_inputs", fake_mode=mode
-                    )
+                    done[key, size] = compile_library(copy.deepcopy(graph), inputs, mode)
                     counters["pieces_compiled"] += 1
                     label = "dynamic" if size is None else f"size {size}"
                     logger.info("compiled %s %s (%s) in %.2fs", piece.name, label, key[:12],
@@ -160,7 +162,7 @@ def compile_pieces(
                 else:
                     counters["pieces_reused"] += 1
                 compiled[size] = done[key, size]
-            builds[piece.name] = PieceBuild(compiled, tokens, _returns_tuple(piece.graph))
+            builds[piece.name] = PieceBuild(compiled, tokens, _returns_tuple(piece.graph), tensor_args(examples))
     return builds
 
 
@@ -280,20 +282,19 @@ def build_artifact(
                 logger.info("compiling: %s", e)
         timings: dict[str, float] = {}
         before = counters.copy()
-        with kernel_store.recording() as kernels:
-            start = time.perf_counter()
-            if dump_dir is not None:
-                import depyf
+        start = time.perf_counter()
+        if dump_dir is not None:
+            import depyf
 
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", UserWarning)  # depyf's hints for interactive debugging
-                    with depyf.prepare_debug(str(dump_dir)):
-                        traced = trace_backbone(model)
-            else:
-                traced = trace_backbone(model)
-            timings["trace"] = time.perf_counter() - start
-            debug = {"dynamo/decompiled.py": traced.decompiled, "dynamo/graph.py": traced.dynamo_graph}
-            variants = _build_variants(traced, manager, compile_config, timings, debug, progress)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # depyf's hints for interactive debugging
+                with depyf.prepare_debug(str(dump_dir)):
+                    traced = trace_backbone(model)
+        else:
+            traced = trace_backbone(model)
+        timings["trace"] = time.perf_counter() - start
+        debug = {"dynamo/decompiled.py": traced.decompiled, "dynamo/graph.py": traced.dynamo_graph}
+        variants = _build_variants(traced, manager, compile_config, timings, debug, progress)
         if dump_dir is not None:
             for rel, text in debug.items():
                 (Path(dump_dir) / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -308,7 +309,6 @@ def build_artifact(
                                    "seconds": round(v.report.seconds.get(p.name, 0.0), 4)}
                                   for p in manager.passes]}  # a list: pipeline order
                       for v in variants],
-            kernels=kernels,
             debug=debug,
             info={
                 "timings": timings,

@@ -100,14 +100,14 @@ def _flip_byte(path: Path) -> None:
 def test_verify_names_the_corrupt_file(cache, llama_artifact, capsys):
     status, out = kiln_cache_cmd(capsys, "verify", "--cache-dir", cache)
     assert status == 0 and out.startswith(f"ok      {llama_artifact.name}")
-    blob = next((cache / llama_artifact.name / "blobs").iterdir())
+    blob = sorted((cache / llama_artifact.name / "blobs").glob("*.so"))[0]
     _flip_byte(blob)
-    kernel = next((cache / llama_artifact.name / "kernels").iterdir())
-    kernel.unlink()
+    calls = sorted((cache / llama_artifact.name / "blobs").glob("*.json"))[-1]
+    calls.unlink()
     status, out = kiln_cache_cmd(capsys, "verify", llama_artifact.name[:8], "--cache-dir", cache)
     assert status == 1
     assert f"artifact blob {blob} is corrupt (sha256 mismatch)" in out
-    assert f"artifact kernel {kernel} is missing" in out
+    assert f"artifact blob call table {calls} is missing" in out
     (verdict,) = json.loads(kiln_cache_cmd(capsys, "verify", "--cache-dir", cache, "--json")[1])
     assert not verdict["ok"] and len(verdict["problems"]) == 2
 
@@ -246,7 +246,7 @@ def test_export_import_then_serve_with_no_compiler(cache, llama_artifact, demo_d
 
 
 def test_import_refuses_damaged_and_foreign_tarballs(cache, llama_artifact, tmp_path, capsys):
-    blob = next((cache / llama_artifact.name / "blobs").iterdir())
+    blob = sorted((cache / llama_artifact.name / "blobs").glob("*.so"))[0]
     _flip_byte(blob)
     status, out = kiln_cache_cmd(capsys, "export", llama_artifact.name, "-o", tmp_path / "x.tar.gz", "--cache-dir",
                                  cache)
@@ -280,10 +280,11 @@ def test_dump_writes_readable_code(cache, llama_artifact, tmp_path, capsys):
     assert "torch.ops.kiln.attention" in (out_dir / "debug" / "graphs" / "before_passes.py").read_text()
     assert len(list((out_dir / "debug" / "graphs").glob("submod_*.py"))) == 9  # 4 layers: 2L+1 pieces
     blobs = {e["sha256"] for p in manifest["variants"][0]["pieces"].values() for e in p["sizes"].values()}
-    generated = list((out_dir / "inductor").iterdir())
-    assert len(generated) == len(blobs) == 3
-    for path in generated:
-        text = path.read_text()
-        assert text.startswith("# runs variant 0 submod_") and "def call(" in text and "extern \"C\"" in text
+    generated = list((out_dir / "debug" / "inductor").iterdir())
+    assert sorted(p.name for p in generated) == sorted(sha[:16] for sha in blobs) and len(blobs) == 3
+    for folder in generated:
+        assert (folder / "USERS").read_text().startswith("variant 0 submod_")
+        assert "AOTInductorModel::run_impl" in (folder / "wrapper.cpp").read_text()
+        assert 'extern "C"' in (folder / "kernel.cpp").read_text()
     status, out = kiln_cache_cmd(capsys, "dump", llama_artifact.name, "-o", out_dir, "--cache-dir", cache)
     assert status == 1 and "is not empty" in out
