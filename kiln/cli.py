@@ -6,6 +6,8 @@ import sys
 
 from kiln.errors import KilnError
 
+logger = logging.getLogger("kiln.cli")
+
 
 def _sizes(text: str) -> tuple[int, ...]:
     try:
@@ -46,13 +48,15 @@ def _shaped_model(args: argparse.Namespace):
     """The model `args` name, with uninitialized weights: compiling and keys need shapes and dtypes only."""
     from pathlib import Path
 
-    from kiln.config import parse_dtype
+    from kiln.config import ParallelConfig, parse_dtype
     from kiln.models.config import ModelConfig
     from kiln.models.registry import create_model
 
     if not Path(args.model_dir).is_dir():
         raise KilnError(f"model directory {args.model_dir} does not exist")
-    model = create_model(ModelConfig.from_model_dir(Path(args.model_dir)), parse_dtype(args.dtype))
+    # every rank compiles to the same graph (DESIGN.md section 8), so rank 0's serves them all
+    parallel = ParallelConfig(rank=0, world_size=args.tensor_parallel_size)
+    model = create_model(ModelConfig.from_model_dir(Path(args.model_dir)), parse_dtype(args.dtype), parallel=parallel)
     if args.quantization:
         from kiln.models.quantization import quantize_model
 
@@ -124,13 +128,29 @@ def _llm(args: argparse.Namespace, compile: bool, **options):
         quantization=args.quantization,
         passes=_custom_passes(args),
         max_num_batched_tokens=args.max_num_tokens,
+        tensor_parallel_size=args.tensor_parallel_size,
         **options,
     )
+
+
+def _as_ranks(args: argparse.Namespace) -> None:
+    """With --tensor-parallel-size N outside torchrun, run this same command as N ranks under
+    torchrun (this process becomes the launcher) and exit with its status."""
+    import os
+    import subprocess
+
+    if args.tensor_parallel_size == 1 or "WORLD_SIZE" in os.environ:
+        return
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(args.tensor_parallel_size), "-m", "kiln.cli", *args.argv]
+    logger.info("starting %d ranks: %s", args.tensor_parallel_size, " ".join(cmd))
+    raise SystemExit(subprocess.call(cmd))
 
 
 def _cmd_generate(args: argparse.Namespace) -> None:
     from kiln import SamplingParams
 
+    _as_ranks(args)
     llm = _llm(args, args.compile, seed=args.seed)
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -140,7 +160,10 @@ def _cmd_generate(args: argparse.Namespace) -> None:
         seed=args.seed,
         stop=args.stop or [],
     )
-    for out in llm.generate(args.prompt, params):
+    outputs = llm.generate(args.prompt, params)
+    if llm.parallel.rank != 0:  # every rank has the same outputs: one prints them
+        return
+    for out in outputs:
         print(out.prompt + out.text if len(args.prompt) == 1 else f"[{out.prompt!r}] {out.text}")
 
 
@@ -157,7 +180,7 @@ def _add_compile_options(parser: argparse.ArgumentParser, cache_dir: bool = True
 
     from kiln.config import PassConfig
 
-    pass_names = [f.name.replace("_", "-") for f in dataclasses.fields(PassConfig)]
+    pass_names = [f.name.replace("_", "-") for f in dataclasses.fields(PassConfig) if f.type in (bool, "bool")]
     if cache_dir:
         parser.add_argument("--cache-dir", metavar="DIR", help="artifact cache (default $KILN_CACHE, else "
                             "~/.cache/kiln)")
@@ -165,6 +188,9 @@ def _add_compile_options(parser: argparse.ArgumentParser, cache_dir: bool = True
                         "the compiled pieces serve (default 2048)")
     parser.add_argument("--quantization", choices=["int8", "fp8"], help="W8A8: weights per channel, "
                         "activations per token (default: none)")
+    parser.add_argument("--tensor-parallel-size", type=_at_least(1), default=1, metavar="N", help="split the model "
+                        "over N ranks (gloo on CPU, NCCL on CUDA). compile builds the one artifact all N ranks load; "
+                        "generate and serve start the ranks under torchrun unless already run by it (default 1)")
     parser.add_argument("--sizes", type=_sizes, default=(), metavar="N,N,...", help="token counts that also get "
                         "a static-shape compile, e.g. 1,2,4,8 (default: none)")
     parser.add_argument("--range-splits", type=_sizes, default=(), metavar="N,N,...", help="cut the dynamic "
@@ -177,12 +203,23 @@ def _add_compile_options(parser: argparse.ArgumentParser, cache_dir: bool = True
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
-    from kiln.runtime.server import serve
+    from kiln.runtime.server import serve, warm_up
 
+    _as_ranks(args)
     llm = _llm(args, args.artifact != "eager", artifact=None if args.artifact in ("auto", "eager") else args.artifact,
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                enable_prefix_caching=args.enable_prefix_caching)
-    serve(llm, args.host, args.port, args.served_model_name)
+    feed = None
+    if llm.parallel.world_size > 1:  # rank 0 serves; the others step with it
+        from kiln.runtime.lockstep import StepFeed, control_group, follow
+
+        group = control_group()
+        if llm.parallel.rank != 0:
+            warm_up(llm)
+            follow(llm.engine, group)
+            return
+        feed = StepFeed(group)
+    serve(llm, args.host, args.port, args.served_model_name, feed=feed)
 
 
 def _cmd_cache(args: argparse.Namespace) -> int:
@@ -379,7 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # what _as_ranks runs again as each rank
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)]
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("kiln").setLevel(level)

@@ -52,6 +52,10 @@ class PassConfig:
 
     noop_elimination: bool = True
     """Drop reshapes, views and slices that do not change their input."""
+    allreduce_rms: bool = True
+    """Tensor parallelism's all_reduce -> residual add + RMSNorm => one fused op."""
+    allreduce_rms_max_tokens: int | None = None
+    """Largest batch (tokens) the allreduce+RMSNorm fusion applies to; None: every batch."""
     rms_quant: bool = True
     """RMSNorm (+ residual add) -> activation quant => one fused op."""
     act_quant: bool = True

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kiln.compiler.key import cache_key, model_factors
-from kiln.config import CompileConfig, EngineConfig, default_cache_dir, parse_dtype
+from kiln.config import CompileConfig, EngineConfig, ParallelConfig, default_cache_dir, parse_dtype
 from kiln.errors import KilnError
 from kiln.models.config import ModelConfig
 from kiln.models.loader import load_weights
@@ -14,6 +14,7 @@ from kiln.models.quantization import check_scheme, quantize_model
 from kiln.models.registry import create_model
 from kiln.passes import GraphPass
 from kiln.runtime.engine import Engine, RequestOutput
+from kiln.runtime.parallel import init_from_env
 from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.tokenizer import Tokenizer
 
@@ -30,6 +31,8 @@ class LLM:
     after loading, unless the checkpoint is quantized already. `passes` adds the user's own graph
     passes (`kiln.passes.GraphPass`) to the compile; they are part of the artifact key.
     `artifact=PATH` runs that artifact directly (no key lookup, never compiles).
+    `tensor_parallel_size=N` splits the model over N processes started by `torchrun --nproc-per-node N`:
+    every rank builds its share, and every rank returns the same outputs.
 
     >>> llm = LLM("path/to/model")
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))[0].text
@@ -48,6 +51,7 @@ class LLM:
         quantization: str | None = None,
         passes: Sequence[GraphPass] = (),
         artifact: str | Path | None = None,
+        tensor_parallel_size: int = 1,
         **engine_options,
     ):
         start = time.perf_counter()
@@ -55,9 +59,13 @@ class LLM:
         if not model_dir.is_dir():
             raise KilnError(f"model directory {model_dir} does not exist")
         self.model_config = ModelConfig.from_model_dir(model_dir)
-        self.model = create_model(self.model_config, parse_dtype(dtype), device)
+        self.parallel = _join_group(tensor_parallel_size, device)
+        self.model = create_model(self.model_config, parse_dtype(dtype), device, self.parallel)
         load_weights(self.model, model_dir)
-        if check_scheme(quantization):
+        if check_scheme(quantization) and self.parallel.world_size > 1:
+            raise KilnError("tensor parallelism does not split quantized models yet: use quantization=None "
+                            "or tensor_parallel_size=1")
+        if quantization:
             quantize_model(self.model, quantization)
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         engine_config = EngineConfig(**engine_options)
@@ -133,3 +141,17 @@ class LLM:
                 if out.finished:
                     results[order[out.request_id]] = out
         return results
+
+
+def _join_group(tensor_parallel_size: int, device: str) -> ParallelConfig:
+    """This process's place among `tensor_parallel_size` ranks, joining torchrun's group if there are several."""
+    if tensor_parallel_size < 1:
+        raise KilnError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    if tensor_parallel_size == 1:
+        return ParallelConfig()
+    parallel = init_from_env(device)
+    if parallel.world_size != tensor_parallel_size:
+        raise KilnError(f"tensor_parallel_size {tensor_parallel_size} needs as many processes, this one is in a "
+                        f"world of {parallel.world_size}: start it with `torchrun --nproc-per-node "
+                        f"{tensor_parallel_size} ...`")
+    return parallel

@@ -1,7 +1,11 @@
-"""Running kiln the way users do, in fresh processes: with no C++ compiler reachable, and as a server."""
+"""Running kiln the way users do, in fresh processes: with no C++ compiler reachable, as a server,
+and as the ranks of a tensor-parallel group."""
 
 import contextlib
+import json
+import os
 import socket
+import sys
 import subprocess
 import time
 from collections.abc import Iterator
@@ -26,6 +30,28 @@ def bare_env(tmp_path: Path, **extra) -> dict:
         "PYTHONPATH": str(REPO),
         **extra,
     }
+
+
+def run_ranks(script: str, args: list[str], world_size: int = 2, timeout: float = 600) -> list:
+    """Run `script` (Python source) as ranks 0..world_size-1 with torchrun's variables set, and return
+    what each printed as JSON on its last stdout line, by rank."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": str(REPO)}
+        procs.append(subprocess.Popen([sys.executable, "-c", script, *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            proc.kill()
+    return results
 
 
 def free_port() -> int:

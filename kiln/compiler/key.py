@@ -59,6 +59,7 @@ def key_factors(
     quantization: str | None = None,
     pass_uuids: dict[str, str] | None = None,
     device: str = "cpu",
+    tensor_parallel_size: int = 1,
 ) -> dict:
     model = {k: v for k, v in dataclasses.asdict(model_config).items() if k not in NOT_IN_GRAPH}
     factors = {
@@ -67,6 +68,7 @@ def key_factors(
         "quantization": quantization,
         "compile": dataclasses.asdict(compile_config),
         "passes": dict(pass_uuids or {}),
+        "tensor_parallel_size": tensor_parallel_size,  # every rank runs the same graph: the rank is no factor
         "kiln_source": kiln_source_hash(),
         "torch": torch.__version__,
         "python": python_version(),
@@ -83,4 +85,5 @@ def model_factors(model: CausalLM, compile_config: CompileConfig, passes: Sequen
     """The key factors of a built (and possibly quantized) model compiled with kiln's passes and the
     user's `passes`: what `LLM` looks up and the compiler writes under."""
     uuids = PassManager(compile_config.passes, passes).uuids()
-    return key_factors(model.config, model.dtype, compile_config, getattr(model, "quantization", None), uuids)
+    return key_factors(model.config, model.dtype, compile_config, getattr(model, "quantization", None), uuids,
+                       tensor_parallel_size=model.layout.world_size)

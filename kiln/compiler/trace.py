@@ -50,7 +50,8 @@ def _decompile_dynamo_code(fn) -> str:
 def _example_batch(model: CausalLM):
     cfg, n = model.config, EXAMPLE_TOKENS
     kv_caches = [
-        torch.zeros(2, 4, 16, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype) for _ in range(cfg.num_layers)
+        torch.zeros(2, 4, 16, model.layout.num_kv_heads, cfg.head_dim, dtype=model.dtype)
+        for _ in range(cfg.num_layers)
     ]
     meta = AttentionMetadata(
         slot_mapping=torch.arange(n),
@@ -104,6 +105,20 @@ def _to_aten(graph: fx.GraphModule) -> fx.GraphModule:
         return make_fx(graph, tracing_mode="real")(*values)
 
 
+def _unexecuted(graph: fx.GraphModule):
+    """A stand-in for the captured graph that returns empty tensors shaped like its outputs. The
+    example call only drives Dynamo: running the graph would be wasted work and, under tensor
+    parallelism, wait forever on collectives the other ranks never join."""
+    output = next(n for n in reversed(graph.graph.nodes) if n.op == "output")
+    values = [n.meta["example_value"] for n in fx.node.map_arg(output.args[0], lambda n: n)]
+
+    def hint(size) -> int:
+        return size.node.hint if isinstance(size, torch.SymInt) else size
+
+    tensors = tuple(torch.empty([hint(s) for s in v.shape], dtype=v.dtype, device=v.device) for v in values)
+    return lambda *args: tensors
+
+
 def trace_backbone(model: CausalLM) -> TracedBackbone:
     """Trace `model.forward` once (fullgraph) and return the graph with its input contract."""
     start = time.perf_counter()
@@ -111,7 +126,7 @@ def trace_backbone(model: CausalLM) -> TracedBackbone:
 
     def backend(gm: fx.GraphModule, example_inputs: list):
         captured["graph"], captured["inputs"] = gm, example_inputs
-        return gm.forward
+        return _unexecuted(gm)
 
     def backbone(input_ids, positions, kv_caches, attn_metadata):
         n = input_ids.size(0)  # one token-count symbol for every per-token tensor

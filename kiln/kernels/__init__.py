@@ -7,7 +7,7 @@ path). Importing this package registers them under `torch.ops.kiln`.
 from kiln.kernels.activation import silu_and_mul
 from kiln.kernels.attention import AttentionMetadata, attention
 from kiln.kernels.attention_quant import attention_quant
-from kiln.kernels.collective import all_reduce
+from kiln.kernels.collective import all_gather, all_reduce, all_reduce_fused_add_rms_norm
 from kiln.kernels.fused_quant import fused_add_rms_norm_quant, rms_norm_quant, silu_and_mul_quant
 from kiln.kernels.kv_cache import kv_cache_write
 from kiln.kernels.norm import fused_add_rms_norm, rms_norm
@@ -17,7 +17,9 @@ from kiln.kernels.rotary import rope_cos_sin_cache, rotary_embedding
 
 __all__ = [
     "AttentionMetadata",
+    "all_gather",
     "all_reduce",
+    "all_reduce_fused_add_rms_norm",
     "attention",
     "attention_quant",
     "fused_add_rms_norm",

@@ -46,8 +46,8 @@ def _arch_config(arch: str, vocab_size: int, eos_id: int, num_layers: int, hidde
             hidden_size=hidden_size, intermediate_size=2 * hidden_size,
             num_attention_heads=hidden_size // head_dim, num_key_value_heads=max(1, hidden_size // head_dim // 2),
             sliding_window=48, tie_word_embeddings=False, **common)
-    if arch == "qwen2":  # odd head count (5), one KV head, qkv bias, tied
-        heads = 5
+    if arch == "qwen2":  # 6 heads of 48 (no power of two), one KV head (replicated under TP), qkv bias, tied
+        heads = 6
         return tf.Qwen2Config(
             hidden_size=heads * 48, intermediate_size=2 * hidden_size,
             num_attention_heads=heads, num_key_value_heads=1, tie_word_embeddings=True, **common)

@@ -2,7 +2,9 @@
 
 forward(input_ids, positions, kv_caches, attn_metadata) -> hidden_states is the compiled region;
 the LM head (`compute_logits`) runs outside it. Every per-layer tensor (weights, KV cache) reaches
-the ops as a tensor argument, so all decoder layers trace to the same graph.
+the ops as a tensor argument, so all decoder layers trace to the same graph. Under tensor
+parallelism each rank builds its share (`RankLayout`); anything rank-specific is a tensor too, so
+every rank traces the same graph.
 """
 
 import torch
@@ -10,8 +12,10 @@ from torch import nn
 
 import kiln.kernels  # noqa: F401  (registers torch.ops.kiln)
 from kiln.kernels import AttentionMetadata
+from kiln.config import ParallelConfig
 from kiln.kernels.rotary import rope_cos_sin_cache
 from kiln.models.config import ModelConfig
+from kiln.models.tensor_parallel import RankLayout
 
 ops = torch.ops.kiln
 
@@ -30,10 +34,11 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, layout: RankLayout, group_name: str, dtype: torch.dtype):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = layout.num_heads, layout.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        self.reduce = group_name if layout.world_size > 1 else None
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, cfg.o_bias, dtype=dtype)
         if cfg.qk_norm:
@@ -56,24 +61,31 @@ class Attention(nn.Module):
             q, kv_cache, written, meta.query_start_loc, meta.seq_lens, meta.block_tables,
             self.scale, self.sliding_window,
         )
-        return self.o_proj(o.view(-1, self.q_size))
+        return _reduce(self.o_proj(o.view(-1, self.q_size)), self.reduce)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, layout: RankLayout, group_name: str, dtype: torch.dtype):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias, dtype=dtype)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype=dtype)
+        inter = layout.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, cfg.mlp_bias, dtype=dtype)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, cfg.mlp_bias, dtype=dtype)
+        self.reduce = group_name if layout.world_size > 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return _reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))), self.reduce)
+
+
+def _reduce(x: torch.Tensor, group_name: str | None) -> torch.Tensor:
+    """The sum of the ranks' partial results of a row-parallel layer (None: one rank, nothing to sum)."""
+    return x if group_name is None else ops.all_reduce(x, group_name)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, layout: RankLayout, group_name: str, dtype: torch.dtype):
         super().__init__()
-        self.self_attn = Attention(cfg, dtype)
-        self.mlp = MLP(cfg, dtype)
+        self.self_attn = Attention(cfg, layout, group_name, dtype)
+        self.mlp = MLP(cfg, layout, group_name, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -88,10 +100,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, layout: RankLayout, group_name: str, dtype: torch.dtype):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.embed_tokens = nn.Embedding(layout.vocab_per_rank, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, layout, group_name, dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
@@ -107,20 +119,24 @@ class CausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                 parallel: ParallelConfig = ParallelConfig()):
         super().__init__()
-        self.config, self.dtype = cfg, dtype
-        self.model = DecoderModel(cfg, dtype)
+        self.config, self.dtype, self.parallel = cfg, dtype, parallel
+        self.layout = layout = RankLayout.of(cfg, parallel)
+        self.model = DecoderModel(cfg, layout, parallel.group_name, dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = nn.Linear(cfg.hidden_size, layout.vocab_per_rank, bias=False, dtype=dtype)
         self.register_buffer("cos_sin_cache", torch.empty(0, dtype=dtype), persistent=False)
+        if layout.world_size > 1:  # a tensor, not a constant: every rank traces the same graph
+            self.register_buffer("vocab_start", torch.empty((), dtype=torch.int64), persistent=False)
 
     def stacked_sizes(self, merged: str) -> list[int]:
-        """Row counts of the slices that make up a merged parameter, in stacking order."""
-        cfg = self.config
+        """Row counts (on this rank) of the slices that make up a merged parameter, in stacking order."""
+        layout = self.layout
         if merged == "qkv_proj":
-            return [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
-        return [cfg.intermediate_size] * 2
+            return [layout.num_heads * layout.head_dim] + [layout.num_kv_heads * layout.head_dim] * 2
+        return [layout.intermediate_size] * 2
 
     def init_buffers(self) -> None:
         """Build the rotary table (not a checkpoint tensor) on the model's device."""
@@ -129,6 +145,19 @@ class CausalLM(nn.Module):
         self.cos_sin_cache = rope_cos_sin_cache(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, self.dtype
         ).to(device)
+        if self.layout.world_size > 1:
+            self.vocab_start = torch.tensor(self.layout.vocab_start, device=device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; under tensor parallelism each rank looks up the ids in its vocabulary
+        rows (zeros for the others) and the ranks' rows are summed."""
+        if self.layout.world_size == 1:
+            return self.model.embed_tokens(input_ids)
+        rows = self.layout.vocab_per_rank
+        local = input_ids - self.vocab_start
+        inside = (local >= 0) & (local < rows)
+        x = self.model.embed_tokens(local.clamp(0, rows - 1)) * inside.unsqueeze(-1).to(self.dtype)
+        return ops.all_reduce(x, self.parallel.group_name)
 
     def forward(
         self,
@@ -137,12 +166,18 @@ class CausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        x, residual = self.model.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(positions, x, residual, self.cos_sin_cache, kv_cache, attn_metadata)
         x, _ = self.model.norm.add_forward(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary, on every rank (each computes its rows, then all gather)."""
         weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return (hidden @ weight.t()).float()
+        logits = (hidden @ weight.t()).float()
+        n = self.layout.world_size
+        if n == 1:
+            return logits
+        gathered = ops.all_gather(logits, n, self.parallel.group_name)  # [ranks, tokens, rows]
+        return gathered.permute(1, 0, 2).reshape(logits.shape[0], -1)[:, : self.layout.vocab_size]

@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from kiln.errors import KilnError
 from kiln.models.llama import CausalLM
+from kiln.models.tensor_parallel import Shard
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,27 @@ def _fit(name: str, tensor: torch.Tensor, param: torch.Tensor, rows: int, path: 
     return tensor
 
 
+def _read(f, name: str, shard: Shard | None, rows: int, path: Path) -> torch.Tensor:
+    """Checkpoint tensor `name`, or only this rank's `shard` of it (read from disk alone). Rows
+    the parameter holds beyond the shard (vocabulary padding, a bias only rank 0 adds) are zeros."""
+    if shard is None:
+        return f.get_tensor(name)
+    full = f.get_slice(name)
+    shape = full.get_shape()
+    if len(shape) <= shard.dim or shape[shard.dim] < shard.start + shard.size:
+        raise KilnError(f"tensor {name!r} in {path.name} has shape {shape}, too small for this rank's shard "
+                        f"({shard.size} from {shard.start} along dim {shard.dim}): the weights do not match the config")
+    index = [slice(None)] * len(shape)
+    index[shard.dim] = slice(shard.start, shard.start + shard.size)
+    tensor = full[tuple(index)]
+    if shard.dim == 0 and tensor.shape[0] < rows:
+        tensor = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
+    return tensor
+
+
 def load_weights(model: CausalLM, model_dir: str | Path) -> None:
-    """Copy every checkpoint tensor into its (possibly merged) parameter, casting to the model dtype."""
+    """Copy every checkpoint tensor into its (possibly merged) parameter, casting to the model dtype;
+    under tensor parallelism only this rank's shard of each is read."""
     start = time.perf_counter()
     model_dir = Path(model_dir)
     params = dict(model.named_parameters())
@@ -96,7 +116,7 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
                     )
                 pname, offset, rows = targets[name]
                 param = params[pname]
-                tensor = _fit(name, f.get_tensor(name), param, rows, path)
+                tensor = _fit(name, _read(f, name, model.layout.shard(name), rows, path), param, rows, path)
                 if name.endswith(".input_scale"):
                     torch.maximum(param.data, tensor.to(param.dtype), out=param.data)
                 else:

@@ -6,6 +6,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from kiln.config import ParallelConfig
+from kiln.errors import KilnError
 from kiln.models.config import ARCHITECTURES, ModelConfig
 from kiln.models.llama import CausalLM
 from kiln.models.quantization import quantized_layout
@@ -27,11 +29,15 @@ def _skip_random_init() -> Iterator[None]:
             cls.reset_parameters = reset
 
 
-def create_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu") -> CausalLM:
-    """Build a model with uninitialized weights (no random init: the loader overwrites them), with
-    quantized projections when the checkpoint is quantized."""
+def create_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu",
+                 parallel: ParallelConfig = ParallelConfig()) -> CausalLM:
+    """Build a model (this rank's share of it) with uninitialized weights (no random init: the loader
+    overwrites them), with quantized projections when the checkpoint is quantized."""
+    if cfg.quantization is not None and parallel.world_size > 1:
+        raise KilnError("tensor parallelism does not split quantized checkpoints yet: serve this model with "
+                        "--tensor-parallel-size 1")
     with torch.device("meta"), _skip_random_init():
-        model = MODEL_CLASSES[cfg.architecture](cfg, dtype)
+        model = MODEL_CLASSES[cfg.architecture](cfg, dtype, parallel)
         if cfg.quantization is not None:
             quantized_layout(model, cfg.quantization.scheme, cfg.quantization.static_input)
     model.to_empty(device=device)

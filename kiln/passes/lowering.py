@@ -1,12 +1,13 @@
 """After fusion: each remaining kiln op that has no kernel of its own on this platform becomes its
 native torch form, which Inductor then fuses with its neighbours into one generated loop.
 
-Kept as ops: the attention (the split point), the cache writes (mutations that order the attention)
-and `scaled_mm` (a library matmul either way). On CUDA the Triton kernels of the CUDA issue will
-be chosen here instead, op by op, by measurement.
+Kept as ops: the attention (the split point), the cache writes (mutations that order the attention),
+the collectives and `scaled_mm` (a library matmul either way). On CUDA the Triton kernels of the CUDA
+issue will be chosen here instead, op by op, by measurement.
 """
 
 import torch
+from torch import fx
 
 from kiln.kernels.activation import silu_and_mul_native
 from kiln.kernels.norm import fused_add_rms_norm_native, rms_norm_native
@@ -71,6 +72,24 @@ def _quantized(kind: QuantKind) -> list[Pattern]:
     ]
 
 
+def _gather_then_norm(graph: fx.Graph) -> None:
+    """all_reduce_fused_add_rms_norm => all_gather, a sum over ranks and fused_add_rms_norm (which
+    the patterns then lower): Inductor sums the gathered partials, adds and normalizes in one loop."""
+    for node in list(graph.nodes):
+        if node.target is not ops.all_reduce_fused_add_rms_norm.default:
+            continue
+        x, residual, weight, eps, world_size, group_name = node.args
+        with graph.inserting_before(node):
+            gathered = graph.call_function(ops.all_gather.default, (x, world_size, group_name))
+            summed = graph.call_function(torch.ops.aten.sum.dim_IntList, (gathered, [0]))
+            norm = graph.call_function(ops.fused_add_rms_norm.default, (summed, residual, weight, eps))
+        gathered.meta["val"] = x.meta["val"].new_empty((world_size, *x.meta["val"].shape))
+        summed.meta["val"] = gathered.meta["val"].sum(0)
+        norm.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(norm)
+        graph.erase_node(node)
+
+
 class Lowering(PatternPass):
     """kiln ops with a native torch form => that form, for Inductor to fuse (CPU)."""
 
@@ -78,3 +97,7 @@ class Lowering(PatternPass):
 
     def patterns(self) -> list[Pattern]:
         return [*_norms(), _rotary(), *(p for kind in QUANT_KINDS for p in _quantized(kind))]
+
+    def __call__(self, graph: fx.Graph) -> int:
+        _gather_then_norm(graph)  # counted below, as the norm it exposes
+        return super().__call__(graph)

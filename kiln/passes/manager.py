@@ -1,7 +1,7 @@
 """The pass pipeline: kiln's passes in the fixed order of DESIGN.md section 4, plus the user's.
 
-Order: no-op elimination, RMSNorm+quant, SiLU*Mul+quant, RoPE+KV write, attention+quant, user
-passes, lowering, dead code. Each pass's match count and time are reported; every pass's uuid (and which passes run) is part of the artifact key.
+Order: no-op elimination, allreduce+RMSNorm, RMSNorm+quant, SiLU*Mul+quant, RoPE+KV write,
+attention+quant, user passes, lowering, dead code. Each pass's match count and time are reported; every pass's uuid (and which passes run) is part of the artifact key.
 """
 
 import importlib
@@ -18,6 +18,7 @@ from kiln.passes.base import GraphPass, SizeRange
 from kiln.passes.cleanup.dead_code import DeadCodeElimination
 from kiln.passes.cleanup.noop_elimination import NoOpElimination
 from kiln.passes.fusion.act_quant import SiluMulQuantFusion
+from kiln.passes.fusion.allreduce_rms import AllReduceRMSFusion
 from kiln.passes.fusion.attn_quant import AttentionQuantFusion
 from kiln.passes.fusion.rms_quant import RMSNormQuantFusion
 from kiln.passes.fusion.rope_kvcache import RopeKVCacheFusion
@@ -56,10 +57,12 @@ def load_pass(spec: str) -> GraphPass:
 class PassManager:
     """Runs the configured pipeline on a traced graph, in order, and names it for the cache key."""
 
-    def __init__(self, config: PassConfig | None = None, custom: Sequence[GraphPass] = ()):
+    def __init__(self, config: PassConfig | None = None, custom: Sequence[GraphPass] = (),
+                 tensor_parallel_size: int = 1):
         config = config or PassConfig()
         builtin: list[tuple[bool, GraphPass]] = [
             (config.noop_elimination, NoOpElimination()),
+            (config.allreduce_rms, AllReduceRMSFusion(tensor_parallel_size, config.allreduce_rms_max_tokens)),
             (config.rms_quant, RMSNormQuantFusion()),
             (config.act_quant, SiluMulQuantFusion()),
             (config.rope_kvcache, RopeKVCacheFusion()),

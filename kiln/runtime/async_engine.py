@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from kiln.errors import KilnError
 from kiln.runtime.engine import Engine, RequestOutput
+from kiln.runtime.lockstep import StepFeed
 from kiln.runtime.metrics import Metrics
 from kiln.runtime.sampler import SamplingParams
 
@@ -57,8 +58,11 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, metrics: Metrics | None = None):
+    def __init__(self, engine: Engine, metrics: Metrics | None = None, feed: StepFeed | None = None):
         self.engine, self.metrics = engine, metrics or Metrics()
+        self.feed = feed
+        """Under tensor parallelism: where the requests each step starts with go to the other ranks."""
+        self._applied: list = []  # messages applied since the last step, for the feed
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
@@ -74,6 +78,8 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=30)
+        if self.feed is not None and self.error is None:
+            self.feed.publish([], stop=True)
 
     @property
     def healthy(self) -> bool:
@@ -112,10 +118,15 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
+                if self.feed is not None:
+                    self.feed.publish(self._applied)
+                self._applied = []
                 outputs = self.engine.step()
             except Exception as e:  # a bug or an out-of-memory: fail every request, report unhealthy
                 logger.exception("engine step failed")
                 self.error = e
+                if self.feed is not None:
+                    self.feed.publish([], stop=True)
                 for request_id in list(self._streams):
                     self._deliver(request_id, KilnError(f"the engine failed: {type(e).__name__}: {e}"))
                 return
@@ -133,10 +144,12 @@ class AsyncEngine:
                 return
             if message[0] == "abort":
                 self.engine.abort(message[1])
+                self._applied.append(message)
                 continue
             _, request_id, ids, params, prompt = message
             if request_id not in self._streams:  # aborted before it was added
                 continue
+            self._applied.append(message)
             try:
                 self.engine.add_request(ids, params, prompt, request_id=request_id)
                 self.metrics.prompt_tokens.inc(len(ids))

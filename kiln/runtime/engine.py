@@ -58,15 +58,17 @@ class Engine:
                 f"{cfg.max_position_embeddings}"
             )
         dtype, device = model.dtype, model.cos_sin_cache.device
+        kv_heads = model.layout.num_kv_heads  # this rank's share under tensor parallelism
         num_blocks = num_kv_blocks(
-            cfg, config.block_size, dtype, config.kv_cache_memory_bytes, config.max_num_seqs * self.max_model_len
+            cfg, config.block_size, dtype, config.kv_cache_memory_bytes, config.max_num_seqs * self.max_model_len,
+            kv_heads,
         )
         if num_blocks * config.block_size < self.max_model_len:
             raise KilnError(
                 f"the KV cache holds {num_blocks * config.block_size} tokens, less than max_model_len "
                 f"{self.max_model_len}: raise kv_cache_memory_bytes or lower max_model_len"
             )
-        kv_caches = allocate_kv_caches(cfg, num_blocks, config.block_size, dtype, device)
+        kv_caches = allocate_kv_caches(cfg, num_blocks, config.block_size, dtype, device, kv_heads)
         self.runner = ModelRunner(forward or model, model.compute_logits, kv_caches, config.block_size, device)
         self.scheduler = Scheduler(config, num_blocks)
         self.default_generator = torch.Generator().manual_seed(seed)

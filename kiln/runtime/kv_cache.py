@@ -83,20 +83,23 @@ def block_hashes(token_ids: list[int], block_size: int, start: int = 0, parent: 
     return hashes
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize * cfg.num_layers
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+    """A block's bytes over all layers; `num_kv_heads`: the heads this rank keeps (default: all)."""
+    return 2 * block_size * (num_kv_heads or cfg.num_kv_heads) * cfg.head_dim * dtype.itemsize * cfg.num_layers
 
 
-def num_kv_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, memory_bytes: int, max_tokens: int) -> int:
+def num_kv_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, memory_bytes: int, max_tokens: int,
+                  num_kv_heads: int | None = None) -> int:
     """Blocks that fit the memory budget, capped at what `max_tokens` resident tokens can use."""
-    by_memory = memory_bytes // bytes_per_block(cfg, block_size, dtype)
+    by_memory = memory_bytes // bytes_per_block(cfg, block_size, dtype, num_kv_heads)
     by_need = -(-max_tokens // block_size)
     return int(min(by_memory, by_need))
 
 
 def allocate_kv_caches(
-    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: str | torch.device = "cpu"
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: str | torch.device = "cpu",
+    num_kv_heads: int | None = None,
 ) -> list[torch.Tensor]:
     # Zeroed, not empty: attention multiplies masked-out slots by a zero probability, and 0 * NaN is NaN.
-    shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (2, num_blocks, block_size, num_kv_heads or cfg.num_kv_heads, cfg.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]

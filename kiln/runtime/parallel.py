@@ -38,4 +38,5 @@ def init_from_env(device: str = "cpu", timeout_s: float = 300.0) -> ParallelConf
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         logger.info("rank %d of %d joined a %s group", dist.get_rank(), dist.get_world_size(), backend)
-    return ParallelConfig(dist.get_rank(), dist.get_world_size(), dist.group.WORLD.group_name)
+    # "" names the default group: graphs traced here and by a single-process `kiln compile` agree
+    return ParallelConfig(dist.get_rank(), dist.get_world_size(), "")

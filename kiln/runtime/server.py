@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 from kiln.errors import KilnError
 from kiln.runtime.async_engine import AsyncEngine, EngineUnavailable, RequestStream
 from kiln.runtime.engine import RequestOutput
+from kiln.runtime.lockstep import StepFeed
 from kiln.runtime.metrics import CONTENT_TYPE
 from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.tokenizer import Tokenizer
@@ -377,10 +378,8 @@ async def _finals(streams: list[RequestStream]) -> list[RequestOutput]:
     return finals
 
 
-def serve(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None) -> None:
-    """Serve `llm` (a loaded `kiln.LLM`) until interrupted: warm up, start the engine thread, listen."""
-    import uvicorn
-
+def warm_up(llm) -> None:
+    """One short request through every stage before the first user's; every rank runs it."""
     if llm.tokenizer is None:
         raise KilnError("serving needs a tokenizer.json in the model directory")
     start = time.perf_counter()
@@ -388,7 +387,16 @@ def serve(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None
     while llm.engine.has_unfinished():
         llm.engine.step()
     logger.info("warm-up step (request %s) in %.2fs", warm, time.perf_counter() - start)
-    engine = AsyncEngine(llm.engine)
+
+
+def serve(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
+          feed: StepFeed | None = None) -> None:
+    """Serve `llm` (a loaded `kiln.LLM`) until interrupted: warm up, start the engine thread, listen.
+    Under tensor parallelism this is rank 0, and `feed` carries each step's requests to the others."""
+    import uvicorn
+
+    warm_up(llm)
+    engine = AsyncEngine(llm.engine, feed=feed)
     engine.start()
     name = model_name or llm.model_dir.name
     app = create_app(engine, llm.tokenizer, name, llm.engine.max_model_len,

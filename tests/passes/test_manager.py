@@ -38,9 +38,9 @@ def import_file(path: Path, name: str):
 
 
 def test_pipeline_order_and_switches():
-    assert [p.name for p in PassManager().passes] == \
-        ["noop_elimination", "rms_quant", "act_quant", "rope_kvcache", "attn_quant", "lowering", "dead_code"]
-    assert [p.name for p in PassManager(PassConfig(rms_quant=False)).passes] == \
+    assert [p.name for p in PassManager().passes] == ["noop_elimination", "allreduce_rms", "rms_quant", "act_quant",
+                                                      "rope_kvcache", "attn_quant", "lowering", "dead_code"]
+    assert [p.name for p in PassManager(PassConfig(rms_quant=False, allreduce_rms=False)).passes] == \
         ["noop_elimination", "act_quant", "rope_kvcache", "attn_quant", "lowering", "dead_code"]
 
 
@@ -49,8 +49,9 @@ def test_key_follows_the_pass_configuration(quantized_llms):
     base = cache_key(model_factors(model, CompileConfig()))
     assert cache_key(model_factors(model, CompileConfig())) == base  # same config twice: same key
     off = {cache_key(model_factors(model, CompileConfig(passes=PassConfig(**{f: False}))))
-           for f in ("noop_elimination", "rms_quant", "act_quant", "rope_kvcache", "attn_quant", "lowering")}
-    assert len(off) == 6 and base not in off
+           for f in ("noop_elimination", "allreduce_rms", "rms_quant", "act_quant", "rope_kvcache", "attn_quant",
+                     "lowering")}
+    assert len(off) == 7 and base not in off
 
 
 def test_pipeline_counts_on_the_int8_demo(quantized_llms, traced_graphs):
@@ -64,8 +65,9 @@ def test_pipeline_counts_on_the_int8_demo(quantized_llms, traced_graphs):
     kiln_ops = {str(n.target) for n in traced.graph.graph.nodes if str(n.target).startswith("kiln.")}
     assert kiln_ops == {"kiln.attention.default", "kiln.rotary_embedding_kv_cache_write.default",
                         "kiln.scaled_mm.default"}
-    assert list(report.matches) == \
-        ["noop_elimination", "rms_quant", "act_quant", "rope_kvcache", "attn_quant", "lowering", "dead_code"]
+    assert report.matches["allreduce_rms"] == 0  # one rank: no all_reduce to fuse
+    assert list(report.matches) == ["noop_elimination", "allreduce_rms", "rms_quant", "act_quant", "rope_kvcache",
+                                    "attn_quant", "lowering", "dead_code"]
 
 
 def test_noop_elimination_drops_only_what_changes_nothing():

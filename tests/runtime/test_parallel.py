@@ -1,10 +1,5 @@
 """Tensor-parallel groups from torchrun's environment and `kiln::all_reduce`, in two gloo processes."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -12,7 +7,7 @@ import kiln.kernels  # noqa: F401  (registers torch.ops.kiln)
 from kiln.config import ParallelConfig
 from kiln.errors import KilnError
 from kiln.runtime.parallel import init_from_env
-from tests.processes import REPO, free_port
+from tests.processes import run_ranks
 
 RANK = """
 import json, torch
@@ -33,21 +28,10 @@ print(json.dumps({"rank": tp.rank, "world_size": tp.world_size, "group": tp.grou
 
 
 def test_two_gloo_ranks_sum_with_kiln_all_reduce():
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": str(REPO)}
-        procs.append(subprocess.Popen([sys.executable, "-c", RANK], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=240)
-        assert proc.returncode == 0, err[-3000:]
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    results = run_ranks(RANK, [], timeout=240)
     x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     for rank, got in enumerate(results):
-        assert (got["rank"], got["world_size"]) == (rank, 2) and got["group"]
+        assert (got["rank"], got["world_size"], got["group"]) == (rank, 2, "")  # "": the default group
         assert got["eager"] == (x * 1 + x * 2).tolist()
         assert got["compiled"] == ((x * 2 + x * 4) + 1).tolist()
         assert f"torch.ops.kiln.all_reduce(mul, {got['group']!r})" in got["graph"]  # one op, kept whole

@@ -1,0 +1,86 @@
+"""Tensor parallelism end to end: two gloo ranks generate what one process generates, eagerly and
+from compiled artifacts, for every architecture, and serve it; the allreduce+RMSNorm fusion changes
+no output."""
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+import torch
+
+from kiln import LLM, SamplingParams
+from kiln.models.demo import DEMO_ARCHS
+from tests.processes import free_port, run_ranks, serving
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+PROMPTS = ["The kiln was", "Clay and fire"]
+
+RANK = """
+import json, sys
+from kiln import LLM, SamplingParams
+from kiln.compiler.counters import counters
+from kiln.config import CompileConfig, PassConfig
+dirs, cache, prompts = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+out = {"eager": {}, "compiled": {}}
+for arch, model_dir in dirs.items():
+    out["eager"][arch] = [o.token_ids for o in LLM(model_dir, tensor_parallel_size=2).generate(prompts, greedy)]
+    llm = LLM(model_dir, tensor_parallel_size=2, compile=True, cache_dir=cache)
+    outs = llm.generate(prompts, greedy)
+    out["compiled"][arch] = [o.token_ids for o in outs]
+    if arch == "llama":
+        manifest = json.loads((llm.artifact_path / "manifest.json").read_text())
+        out["matches"] = {p["name"]: p["matches"] for p in manifest["variants"][0]["passes"]}
+        out["factors"] = manifest["factors"]["tensor_parallel_size"]
+        out["pieces_compiled"] = counters["pieces_compiled"]  # 0: `kiln compile` built what the ranks load
+        out["fused"] = [o.logprobs for o in outs]
+        unfused = LLM(model_dir, tensor_parallel_size=2, compile=True, cache_dir=cache,
+                      compile_config=CompileConfig(passes=PassConfig(allreduce_rms=False)))
+        out["unfused"] = [o.logprobs for o in unfused.generate(prompts, greedy)]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def two_ranks(demo_dirs, kiln_cache) -> list[dict]:
+    """What each of two ranks generated; the llama's artifact was compiled first by one `kiln compile`."""
+    compiled = subprocess.run([sys.executable, "-m", "kiln", "compile", str(demo_dirs["llama"]), "--cache-dir",
+                               str(kiln_cache), "--tensor-parallel-size", "2"], capture_output=True, text=True)
+    assert compiled.returncode == 0, compiled.stderr[-3000:]
+    assert "allreduce_rms" in compiled.stdout
+    dirs = {arch: str(demo_dirs[arch]) for arch in DEMO_ARCHS}
+    return run_ranks(RANK, [json.dumps(dirs), str(kiln_cache), json.dumps(PROMPTS)], timeout=900)
+
+
+def test_ranks_agree(two_ranks):
+    assert two_ranks[0] == two_ranks[1]  # every rank samples from the same gathered logits
+
+
+@pytest.mark.parametrize("arch", DEMO_ARCHS)
+def test_two_ranks_generate_what_one_does(two_ranks, demo_dirs, arch):
+    one = [o.token_ids for o in LLM(demo_dirs[arch]).generate(PROMPTS, GREEDY)]
+    assert two_ranks[0]["eager"][arch] == one
+    assert two_ranks[0]["compiled"][arch] == one
+
+
+def test_allreduce_rms_fuses_two_sites_per_layer_and_changes_nothing(two_ranks):
+    got = two_ranks[0]
+    assert got["factors"] == 2 and got["pieces_compiled"] == 0
+    assert got["matches"]["allreduce_rms"] == 2 * 4  # the demo llama has 4 layers
+    torch.testing.assert_close(torch.tensor(got["fused"]), torch.tensor(got["unfused"]), atol=1e-4, rtol=0)
+
+
+def test_serve_launches_two_ranks_that_answer_like_one(two_ranks, demo_dirs, kiln_cache, tmp_path):
+    port = free_port()
+    cmd = [sys.executable, "-m", "kiln", "-v", "serve", str(demo_dirs["llama"]), "--tensor-parallel-size", "2",
+           "--port", str(port), "--cache-dir", str(kiln_cache), "--require-artifact"]  # the fixture compiled it
+    with serving(cmd, port, tmp_path / "serve.log", timeout=240) as url:
+        texts = [httpx.post(f"{url}/v1/completions", json={"model": "llama", "prompt": p, "max_tokens": 8,
+                                                           "temperature": 0}).json()["choices"][0]["text"]
+                 for p in PROMPTS]
+    log = (tmp_path / "serve.log").read_text()
+    assert "starting 2 ranks" in log and "rank 1 follows rank 0's engine" in log
+    assert texts == [o.text for o in LLM(demo_dirs["llama"]).generate(PROMPTS, SamplingParams(max_tokens=8,
+                                                                                               temperature=0))]
