@@ -62,10 +62,7 @@ class LLM:
         self.parallel = _join_group(tensor_parallel_size, device)
         self.model = create_model(self.model_config, parse_dtype(dtype), device, self.parallel)
         load_weights(self.model, model_dir)
-        if check_scheme(quantization) and self.parallel.world_size > 1:
-            raise KilnError("tensor parallelism does not split quantized models yet: use quantization=None "
-                            "or tensor_parallel_size=1")
-        if quantization:
+        if check_scheme(quantization):
             quantize_model(self.model, quantization)
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         engine_config = EngineConfig(**engine_options)

@@ -7,7 +7,8 @@ path). Importing this package registers them under `torch.ops.kiln`.
 from kiln.kernels.activation import silu_and_mul
 from kiln.kernels.attention import AttentionMetadata, attention
 from kiln.kernels.attention_quant import attention_quant
-from kiln.kernels.collective import all_gather, all_reduce, all_reduce_fused_add_rms_norm
+from kiln.kernels.collective import (all_gather, all_reduce, all_reduce_fused_add_rms_norm,
+                                     all_reduce_fused_add_rms_norm_quant)
 from kiln.kernels.fused_quant import fused_add_rms_norm_quant, rms_norm_quant, silu_and_mul_quant
 from kiln.kernels.kv_cache import kv_cache_write
 from kiln.kernels.norm import fused_add_rms_norm, rms_norm
@@ -20,6 +21,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_reduce_fused_add_rms_norm",
+    "all_reduce_fused_add_rms_norm_quant",
     "attention",
     "attention_quant",
     "fused_add_rms_norm",

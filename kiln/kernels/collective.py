@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from kiln.kernels.norm import fused_add_rms_norm_native
+from kiln.kernels.quant import quant_fake, quant_native
 
 
 def _group(group_name: str):
@@ -63,3 +64,19 @@ def all_reduce_fused_add_rms_norm(
 @all_reduce_fused_add_rms_norm.register_fake
 def _(x, residual, weight, eps, world_size, group_name):
     return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("kiln::all_reduce_fused_add_rms_norm_quant", mutates_args=())
+def all_reduce_fused_add_rms_norm_quant(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, quant_dtype: torch.dtype,
+    scale: torch.Tensor | None, world_size: int, group_name: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`fused_add_rms_norm_quant(all_reduce(x), ...)` as one op -> (q, scale, residual)."""
+    normed, new_residual = fused_add_rms_norm_native(all_gather(x, world_size, group_name).sum(0), residual,
+                                                     weight, eps)
+    return (*quant_native(normed, scale, quant_dtype), new_residual)
+
+
+@all_reduce_fused_add_rms_norm_quant.register_fake
+def _(x, residual, weight, eps, quant_dtype, scale, world_size, group_name):
+    return (*quant_fake(x, scale, quant_dtype), torch.empty_like(x))

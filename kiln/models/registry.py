@@ -7,7 +7,6 @@ import torch
 from torch import nn
 
 from kiln.config import ParallelConfig
-from kiln.errors import KilnError
 from kiln.models.config import ARCHITECTURES, ModelConfig
 from kiln.models.llama import CausalLM
 from kiln.models.quantization import quantized_layout
@@ -33,9 +32,6 @@ def create_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.devic
                  parallel: ParallelConfig = ParallelConfig()) -> CausalLM:
     """Build a model (this rank's share of it) with uninitialized weights (no random init: the loader
     overwrites them), with quantized projections when the checkpoint is quantized."""
-    if cfg.quantization is not None and parallel.world_size > 1:
-        raise KilnError("tensor parallelism does not split quantized checkpoints yet: serve this model with "
-                        "--tensor-parallel-size 1")
     with torch.device("meta"), _skip_random_init():
         model = MODEL_CLASSES[cfg.architecture](cfg, dtype, parallel)
         if cfg.quantization is not None:

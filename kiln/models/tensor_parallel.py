@@ -67,10 +67,15 @@ class RankLayout:
         return self.rank * self.vocab_per_rank
 
     def shard(self, name: str) -> Shard | None:
-        """The slice of checkpoint tensor `name` this rank holds; None: all of it (replicated)."""
+        """The slice of checkpoint tensor `name` this rank holds; None: all of it (replicated).
+        A quantized projection's per-output-channel `weight_scale` follows its rows; a row-parallel
+        layer keeps all its output channels, so all their scales; static `input_scale`s are per tensor."""
         if self.world_size == 1:
             return None
         proj = next((p for p in COLUMN_PARALLEL + ROW_PARALLEL if f".{p}." in name), None)
+        rows = name.endswith((".weight", ".bias", ".weight_scale"))
+        if proj in COLUMN_PARALLEL and not rows or proj in ROW_PARALLEL and not name.endswith((".weight", ".bias")):
+            return None
         d = self.head_dim
         if proj in ("q_proj",):
             return Shard(0, self.rank * self.num_heads * d, self.num_heads * d)

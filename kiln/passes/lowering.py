@@ -73,16 +73,19 @@ def _quantized(kind: QuantKind) -> list[Pattern]:
 
 
 def _gather_then_norm(graph: fx.Graph) -> None:
-    """all_reduce_fused_add_rms_norm => all_gather, a sum over ranks and fused_add_rms_norm (which
-    the patterns then lower): Inductor sums the gathered partials, adds and normalizes in one loop."""
+    """all_reduce_fused_add_rms_norm[_quant] => all_gather, a sum over ranks and the plain fused norm
+    (which the patterns then lower): Inductor sums the gathered partials, adds, normalizes (and
+    quantizes) in one loop."""
+    norms = {ops.all_reduce_fused_add_rms_norm.default: ops.fused_add_rms_norm.default,
+             ops.all_reduce_fused_add_rms_norm_quant.default: ops.fused_add_rms_norm_quant.default}
     for node in list(graph.nodes):
-        if node.target is not ops.all_reduce_fused_add_rms_norm.default:
+        if node.target not in norms:
             continue
-        x, residual, weight, eps, world_size, group_name = node.args
+        x, *norm_args, world_size, group_name = node.args
         with graph.inserting_before(node):
             gathered = graph.call_function(ops.all_gather.default, (x, world_size, group_name))
             summed = graph.call_function(torch.ops.aten.sum.dim_IntList, (gathered, [0]))
-            norm = graph.call_function(ops.fused_add_rms_norm.default, (summed, residual, weight, eps))
+            norm = graph.call_function(norms[node.target], (summed, *norm_args))
         gathered.meta["val"] = x.meta["val"].new_empty((world_size, *x.meta["val"].shape))
         summed.meta["val"] = gathered.meta["val"].sum(0)
         norm.meta["val"] = node.meta["val"]

@@ -1,6 +1,6 @@
 """The pass pipeline: kiln's passes in the fixed order of DESIGN.md section 4, plus the user's.
 
-Order: no-op elimination, allreduce+RMSNorm, RMSNorm+quant, SiLU*Mul+quant, RoPE+KV write,
+Order: no-op elimination, RMSNorm+quant, allreduce+RMSNorm(+quant), SiLU*Mul+quant, RoPE+KV write,
 attention+quant, user passes, lowering, dead code. Each pass's match count and time are reported; every pass's uuid (and which passes run) is part of the artifact key.
 """
 
@@ -62,8 +62,8 @@ class PassManager:
         config = config or PassConfig()
         builtin: list[tuple[bool, GraphPass]] = [
             (config.noop_elimination, NoOpElimination()),
-            (config.allreduce_rms, AllReduceRMSFusion(tensor_parallel_size, config.allreduce_rms_max_tokens)),
             (config.rms_quant, RMSNormQuantFusion()),
+            (config.allreduce_rms, AllReduceRMSFusion(tensor_parallel_size, config.allreduce_rms_max_tokens)),
             (config.act_quant, SiluMulQuantFusion()),
             (config.rope_kvcache, RopeKVCacheFusion()),
             (config.attn_quant, AttentionQuantFusion()),

@@ -30,6 +30,10 @@ def test_layout_splits_heads_columns_and_vocabulary():
     assert r1.shard("lm_head.weight") == Shard(0, 256, 255)  # the last rank's rows end at the vocabulary
     assert r1.shard("model.layers.0.input_layernorm.weight") is None  # replicated
     assert RankLayout.of(LLAMA).shard("model.layers.0.self_attn.q_proj.weight") is None
+    # quantized checkpoints: per-output-channel scales follow the rows; row-parallel layers keep them all
+    assert r1.shard("model.layers.0.self_attn.q_proj.weight_scale") == Shard(0, 128, 128)
+    assert r1.shard("model.layers.0.self_attn.o_proj.weight_scale") is None
+    assert r1.shard("model.layers.0.mlp.gate_proj.input_scale") is None
 
 
 def test_fewer_kv_heads_than_ranks_are_replicated():

@@ -38,7 +38,7 @@ def import_file(path: Path, name: str):
 
 
 def test_pipeline_order_and_switches():
-    assert [p.name for p in PassManager().passes] == ["noop_elimination", "allreduce_rms", "rms_quant", "act_quant",
+    assert [p.name for p in PassManager().passes] == ["noop_elimination", "rms_quant", "allreduce_rms", "act_quant",
                                                       "rope_kvcache", "attn_quant", "lowering", "dead_code"]
     assert [p.name for p in PassManager(PassConfig(rms_quant=False, allreduce_rms=False)).passes] == \
         ["noop_elimination", "act_quant", "rope_kvcache", "attn_quant", "lowering", "dead_code"]
@@ -66,7 +66,7 @@ def test_pipeline_counts_on_the_int8_demo(quantized_llms, traced_graphs):
     assert kiln_ops == {"kiln.attention.default", "kiln.rotary_embedding_kv_cache_write.default",
                         "kiln.scaled_mm.default"}
     assert report.matches["allreduce_rms"] == 0  # one rank: no all_reduce to fuse
-    assert list(report.matches) == ["noop_elimination", "allreduce_rms", "rms_quant", "act_quant", "rope_kvcache",
+    assert list(report.matches) == ["noop_elimination", "rms_quant", "allreduce_rms", "act_quant", "rope_kvcache",
                                     "attn_quant", "lowering", "dead_code"]
 
 

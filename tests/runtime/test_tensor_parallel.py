@@ -39,6 +39,10 @@ for arch, model_dir in dirs.items():
         unfused = LLM(model_dir, tensor_parallel_size=2, compile=True, cache_dir=cache,
                       compile_config=CompileConfig(passes=PassConfig(allreduce_rms=False)))
         out["unfused"] = [o.logprobs for o in unfused.generate(prompts, greedy)]
+        int8 = LLM(model_dir, tensor_parallel_size=2, compile=True, cache_dir=cache, quantization="int8")
+        out["int8"] = [o.token_ids for o in int8.generate(prompts, greedy)]
+        manifest = json.loads((int8.artifact_path / "manifest.json").read_text())
+        out["int8_matches"] = {p["name"]: p["matches"] for p in manifest["variants"][0]["passes"]}
 print(json.dumps(out))
 """
 
@@ -63,6 +67,13 @@ def test_two_ranks_generate_what_one_does(two_ranks, demo_dirs, arch):
     one = [o.token_ids for o in LLM(demo_dirs[arch]).generate(PROMPTS, GREEDY)]
     assert two_ranks[0]["eager"][arch] == one
     assert two_ranks[0]["compiled"][arch] == one
+
+
+def test_int8_splits_and_fuses_allreduce_with_norm_and_quant(two_ranks, demo_dirs):
+    got = two_ranks[0]
+    assert got["int8"] == [o.token_ids for o in LLM(demo_dirs["llama"], quantization="int8").generate(PROMPTS, GREEDY)]
+    # rms_quant first makes each norm a norm+quant; allreduce_rms then takes in the all_reduce too
+    assert got["int8_matches"]["rms_quant"] == got["int8_matches"]["allreduce_rms"] == 2 * 4
 
 
 def test_allreduce_rms_fuses_two_sites_per_layer_and_changes_nothing(two_ranks):

@@ -1,4 +1,5 @@
-"""all_reduce -> fused_add_rms_norm => one op (two sites per layer under tensor parallelism).
+"""all_reduce -> fused_add_rms_norm (or its quant form) => one op (two sites per layer under tensor
+parallelism).
 
 Every row-parallel layer (o_proj, down_proj) ends in `kiln::all_reduce`, and each one's sum goes
 straight into the next residual add + RMSNorm: after attention, the layer's post-attention norm;
@@ -6,7 +7,8 @@ after the MLP, the next layer's input norm (the final norm for the last layer). 
 the platform reduce and normalize together: on CPU, lowering gathers the ranks' partial sums and
 Inductor sums, adds and normalizes them in one loop; on CUDA a one-shot kernel can do all of it.
 
-A plain `GraphPass`: Inductor's pattern matcher cannot bind the group name, a string.
+It runs after rms_quant, so a quantized model's norm is already `fused_add_rms_norm_quant` and
+fuses whole. A plain `GraphPass`: Inductor's pattern matcher cannot bind the group name, a string.
 """
 
 import torch
@@ -15,10 +17,14 @@ from torch import fx
 from kiln.passes.base import GraphPass, SizeRange
 
 ops = torch.ops.kiln
+FUSED = {ops.fused_add_rms_norm.default: ops.all_reduce_fused_add_rms_norm.default,
+         ops.fused_add_rms_norm_quant.default: ops.all_reduce_fused_add_rms_norm_quant.default}
+"""The norm an all_reduce feeds -> the op that does both. Both take the norm's arguments, then
+(world_size, group_name)."""
 
 
 class AllReduceRMSFusion(GraphPass):
-    """all_reduce(x) -> fused_add_rms_norm(., residual) => all_reduce_fused_add_rms_norm(x, residual).
+    """all_reduce(x) -> fused_add_rms_norm[_quant](., residual, ...) => all_reduce_fused_add_rms_norm[_quant].
 
     `world_size` is the tensor parallel size the graph is compiled for (the fused op's gather needs
     it while tracing); `max_num_tokens` gates the fusion to batches of at most that many tokens
@@ -35,17 +41,15 @@ class AllReduceRMSFusion(GraphPass):
     def __call__(self, graph: fx.Graph) -> int:
         matches = 0
         for norm in list(graph.nodes):
-            if norm.target is not ops.fused_add_rms_norm.default:
+            if norm.target not in FUSED:
                 continue
             reduced = norm.args[0]
             if not (isinstance(reduced, fx.Node) and reduced.target is ops.all_reduce.default
                     and len(reduced.users) == 1):
                 continue
             x, group_name = reduced.args
-            _, residual, weight, eps = norm.args
             with graph.inserting_before(norm):
-                fused = graph.call_function(ops.all_reduce_fused_add_rms_norm.default,
-                                            (x, residual, weight, eps, self.world_size, group_name))
+                fused = graph.call_function(FUSED[norm.target], (x, *norm.args[1:], self.world_size, group_name))
             fused.meta["val"] = norm.meta["val"]
             norm.replace_all_uses_with(fused)
             graph.erase_node(norm)
