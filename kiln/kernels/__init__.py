@@ -39,3 +39,19 @@ __all__ = [
     "silu_and_mul",
     "silu_and_mul_quant",
 ]
+
+
+def _register_triton_kernels() -> None:
+    """On a CUDA machine with triton, kiln's Triton kernels serve the ops for CUDA tensors; a CPU
+    process never imports triton."""
+    import importlib.util
+
+    import torch
+
+    if torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+        from kiln.kernels.triton import register
+
+        register()
+
+
+_register_triton_kernels()

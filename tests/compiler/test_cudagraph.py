@@ -1,0 +1,61 @@
+"""The piecewise CUDA-graph dispatch, on CPU: capture sizes and padding, and which calls replay a
+graph (recorded by stand-ins for torch.cuda's graph and capture context) and which run directly."""
+
+import contextlib
+
+import pytest
+import torch
+
+from kiln.compiler.cudagraph import GraphedPiece, default_capture_sizes, pad_tokens, padded_size
+from kiln.errors import KilnError
+
+
+def test_capture_sizes_and_padding_table():
+    sizes = default_capture_sizes(40)
+    assert sizes == (1, 2, 4, 8, 16, 24, 32, 40)
+    assert [padded_size(n, sizes) for n in (1, 3, 5, 8, 9, 33, 40, 41)] == [1, 4, 8, 8, 16, 40, 40, None]
+    assert default_capture_sizes(3) == (1, 2)
+    slots = pad_tokens(torch.tensor([5, 6, 7]), 8, -1)
+    assert slots.tolist() == [5, 6, 7, -1, -1, -1, -1, -1]  # padded tokens write no KV cache
+    assert pad_tokens(slots, 8, -1) is slots
+
+
+class Graph:
+    def __init__(self):
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+
+captured: list[tuple[Graph, object]] = []
+
+
+@contextlib.contextmanager
+def capture(graph, pool=None):
+    captured.append((graph, pool))
+    yield
+
+
+def test_replays_captured_sizes_and_runs_others_directly():
+    calls = []
+    weight = torch.randn(4)
+
+    def piece(x, w):
+        calls.append(x.shape[0])
+        return [x * w]
+
+    captured.clear()
+    graphed = GraphedPiece(piece, token_args=[0], sizes=[2, 8], pool="pool", graph_type=Graph, capture=capture)
+    graphed.capture_all(lambda n: [torch.zeros(n, 4), weight])
+    assert calls == [8, 8, 2, 2]  # largest first, each warmed up once outside the graph
+    assert [pool for _, pool in captured] == ["pool", "pool"]
+    x = torch.randn(2, 4)
+    out = graphed(x, weight)
+    graph, buffers, outputs = graphed._graphs[2]
+    assert graph.replays == 1 and out is outputs and torch.equal(buffers[0], x)  # input copied, not re-run
+    assert calls == [8, 8, 2, 2]
+    direct = graphed(torch.ones(9, 4), weight)  # above the largest size: no graph
+    assert calls[-1] == 9 and torch.equal(direct[0], weight.expand(9, 4))
+    with pytest.raises(KilnError, match="after start-up"):
+        graphed.capture(4, [torch.zeros(4, 4), weight])

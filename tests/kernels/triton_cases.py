@@ -1,0 +1,94 @@
+"""The cases `test_triton.py` runs in a fresh process: kiln's Triton kernels against the native ops
+they implement, on CUDA where there is one, else on CPU tensors under Triton's interpreter (tiny
+shapes: it runs the kernels in numpy)."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+assert DEVICE == "cuda" or os.environ.get("TRITON_INTERPRET") == "1", "run on CPU with TRITON_INTERPRET=1"
+
+from kiln.kernels.activation import silu_and_mul_native  # noqa: E402
+from kiln.kernels.norm import fused_add_rms_norm_native, rms_norm_native  # noqa: E402
+from kiln.kernels.quant import quant_native  # noqa: E402
+from kiln.kernels.triton import (fused_add_rms_norm_triton, register, rms_norm_triton,  # noqa: E402
+                                 silu_and_mul_triton)
+
+FP8_ON_GPU = pytest.mark.skipif(DEVICE == "cpu", reason="Triton's interpreter does not convert to fp8 e4m3fn as "
+                                "the GPU does (values off by several steps): checked on a GPU only")
+QUANTS = [None, (torch.int8, None), (torch.int8, 0.05), pytest.param((torch.float8_e4m3fn, None), marks=FP8_ON_GPU),
+          pytest.param((torch.float8_e4m3fn, 0.05), marks=FP8_ON_GPU)]
+# The interpreter rounds fp32 -> bf16 toward zero where the GPU and torch round to nearest: in bf16
+# every rounded intermediate may sit one step away, so scales and codes get that much slack.
+SCALE_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _close(got, want, dtype):
+    if want.dtype == torch.int8:
+        assert (got.int() - want.int()).abs().max() <= 1  # a value a rounding step from .5 may land either side
+        if dtype == torch.float32:
+            assert (got != want).float().mean() < 0.02
+    elif want.dtype == torch.float8_e4m3fn:
+        torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=0.07)  # one fp8 step
+    else:
+        tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def _quant(x, quant):
+    dtype, scale = quant
+    return quant_native(x, None if scale is None else torch.tensor([scale], device=x.device), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("quant", QUANTS)
+def test_rms_norm_and_fused_add(dtype, quant):
+    torch.manual_seed(0)
+    x, res = torch.randn(5, 40, dtype=dtype, device=DEVICE), torch.randn(5, 40, dtype=dtype, device=DEVICE)
+    w = (torch.rand(40, device=DEVICE) + 0.5).to(dtype)
+    args = () if quant is None else (quant[0], None if quant[1] is None else torch.tensor([quant[1]], device=DEVICE))
+    normed, new_res = fused_add_rms_norm_native(x, res, w, 1e-6)
+    plain = rms_norm_native(x, w, 1e-6)
+    got_plain = rms_norm_triton(x, w, 1e-6, *args)
+    got_fused = fused_add_rms_norm_triton(x, res, w, 1e-6, *args)
+    # the residual sum: exact in fp32; in bf16 within one step (the interpreter rounds fp32 -> bf16 toward zero)
+    exact = dtype == torch.float32
+    torch.testing.assert_close(got_fused[-1], new_res, atol=0 if exact else 1.6e-2, rtol=0 if exact else 8e-3)
+    if quant is None:
+        _close(got_plain, plain, dtype)
+        _close(got_fused[0], normed, dtype)
+        return
+    for got, ref in ((got_plain, plain), (got_fused[:2], normed)):
+        q, s = _quant(ref, quant)
+        torch.testing.assert_close(got[1], s, atol=0, rtol=SCALE_RTOL[dtype])
+        _close(got[0], q, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("quant", QUANTS)
+def test_silu_and_mul(dtype, quant):
+    torch.manual_seed(1)
+    x = torch.randn(3, 2, 48, dtype=dtype, device=DEVICE)
+    want = silu_and_mul_native(x)
+    if quant is None:
+        _close(silu_and_mul_triton(x), want, dtype)
+        return
+    q, s = _quant(want, quant)
+    got_q, got_s = silu_and_mul_triton(x, quant[0], None if quant[1] is None else torch.tensor([quant[1]], device=DEVICE))
+    torch.testing.assert_close(got_s, s, atol=0, rtol=SCALE_RTOL[dtype])
+    _close(got_q, q, dtype)
+
+
+def test_no_tokens():
+    x = torch.empty(0, 16, device=DEVICE)
+    assert rms_norm_triton(x, torch.ones(16, device=DEVICE), 1e-6).shape == (0, 16)
+
+
+def test_register_makes_them_the_cuda_kernels():
+    register()
+    for op in ("rms_norm", "fused_add_rms_norm_quant", "silu_and_mul_quant"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kiln::{op}", "CUDA")
