@@ -129,6 +129,7 @@ def _llm(args: argparse.Namespace, compile: bool, **options):
         passes=_custom_passes(args),
         max_num_batched_tokens=args.max_num_tokens,
         tensor_parallel_size=args.tensor_parallel_size,
+        cudagraph_sizes=() if args.no_cudagraphs else args.cudagraph_sizes,
         **options,
     )
 
@@ -200,6 +201,14 @@ def _add_compile_options(parser: argparse.ArgumentParser, cache_dir: bool = True
                         "graph pass (a kiln.passes.GraphPass subclass), run after kiln's fusions; repeatable")
     parser.add_argument("--disable-pass", action="append", choices=pass_names, metavar="NAME",
                         help=f"turn off one of kiln's passes ({', '.join(pass_names)}); repeatable")
+
+
+def _add_cudagraph_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cudagraph-sizes", type=_sizes, default=None, metavar="N,N,...", help="token counts to "
+                        "pad batches to and capture piecewise CUDA graphs at, at start-up (default on CUDA: 1,2,4,8,"
+                        "16,... up to max-num-seqs; on CPU none: there are no graphs, padding only costs)")
+    parser.add_argument("--no-cudagraphs", action="store_true", help="run the compiled pieces without CUDA graphs "
+                        "or padding")
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
@@ -347,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--require-artifact", action="store_true", help="run the compiled artifact and fail if it is "
                      "absent or unusable instead of compiling (implies --compile)")
     _add_compile_options(gen)
+    _add_cudagraph_options(gen)
     gen.set_defaults(func=_cmd_generate)
 
     comp = sub.add_parser("compile", help="trace and compile a model into a cached artifact",
@@ -388,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and "
                      "activations dtype (default float32)")
     _add_compile_options(srv)
+    _add_cudagraph_options(srv)
     srv.set_defaults(func=_cmd_serve)
 
     demo = sub.add_parser("demo-model", help="write a tiny model kiln can run (nothing is downloaded)",

@@ -38,11 +38,17 @@ class EngineConfig:
     """Prompt + generated tokens per sequence; None means the model's max_position_embeddings."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of an earlier request's identical prefix (full blocks, by content hash)."""
+    cudagraph_sizes: tuple[int, ...] | None = None
+    """Token counts a compiled program pads batches to and, on CUDA, captures piecewise CUDA graphs
+    at. None: 1, 2, 4, 8, ... up to max_num_seqs on CUDA, none on CPU; (): no graphs, no padding."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise KilnError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        bad = [s for s in self.cudagraph_sizes or () if not 1 <= s <= self.max_num_batched_tokens]
+        if bad:
+            raise KilnError(f"cudagraph sizes {bad} are outside [1, max_num_batched_tokens={self.max_num_batched_tokens}]")
 
 
 @dataclass(frozen=True)

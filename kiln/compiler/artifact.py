@@ -130,7 +130,7 @@ def save(
                         counters["blobs_saved"] += 1
                     sizes["dynamic" if size is None else str(size)] = blob_of[id(compiled)]
                 entries[name] = {"sizes": sizes, "tokens": build.tokens, "returns_tuple": build.returns_tuple,
-                                 "tensor_args": list(build.tensor_args)}
+                                 "tensor_args": list(build.tensor_args), "token_args": list(build.token_args)}
             program = _write_file(tmp / PROGRAMS / f"{i}.py", variant["program"].encode())
             variant_entries.append({"ranges": [list(r) for r in variant["ranges"]], "sizes": list(variant["sizes"]),
                                     "program": program, "pieces": entries, "passes": variant["passes"]})
@@ -305,6 +305,7 @@ def load(path: Path, model: nn.Module) -> CompiledProgram:
                 tokens=tuple(entry["tokens"]) if entry["tokens"] is not None else None,
                 static={int(s): library(e, args) for s, e in sizes.items() if s != "dynamic"},
                 returns_tuple=entry["returns_tuple"],
+                token_args=tuple(entry.get("token_args", ())),
             )
         program = path / PROGRAMS / f"{i}.py"
         forward = load_program(program.read_text(), str(program), pieces)

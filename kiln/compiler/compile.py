@@ -119,6 +119,7 @@ class PieceBuild:
     tokens: tuple[int, int | None] | None
     returns_tuple: bool
     tensor_args: tuple[int, ...]
+    token_args: tuple[int, ...] = ()
 
 
 def compile_pieces(
@@ -162,7 +163,10 @@ def compile_pieces(
                 else:
                     counters["pieces_reused"] += 1
                 compiled[size] = done[key, size]
-            builds[piece.name] = PieceBuild(compiled, tokens, _returns_tuple(piece.graph), tensor_args(examples))
+            token_args = tuple(i for i, v in enumerate(examples)
+                               if isinstance(v, torch.Tensor) and v.dim() and str(v.shape[0]) == token_symbol)
+            builds[piece.name] = PieceBuild(compiled, tokens, _returns_tuple(piece.graph), tensor_args(examples),
+                                            token_args)
     return builds
 
 

@@ -53,14 +53,9 @@ class GraphedPiece:
         self.sealed = False
         """Set once start-up captured every size: a later capture is a bug (it would stall a step)."""
 
-    def capture_all(self, args_at: Callable[[int], Sequence]) -> None:
-        """Capture every size, largest first (later ones reuse its pool memory); `args_at(size)`
-        gives example arguments with that many tokens."""
-        for size in sorted(self.sizes, reverse=True):
-            self.capture(size, list(args_at(size)))
-        self.sealed = True
-
     def capture(self, size: int, args: list) -> None:
+        """Capture the graph for `size` tokens on `args` (start-up only: largest size first, so the
+        smaller ones reuse the pool memory the largest took)."""
         if self.sealed:
             raise KilnError(f"a CUDA graph capture (size {size}) was asked for after start-up: every capture "
                             "size is captured before serving")
@@ -74,10 +69,11 @@ class GraphedPiece:
 
     def __call__(self, *args):
         n = args[self.token_args[0]].shape[0] if self.token_args else None
-        entry = self._graphs.get(n)
-        if entry is None:  # above the largest capture size, or no token argument at all
+        if n not in self.sizes:  # above the largest capture size, or no token argument at all
             return self.fn(*args)
-        graph, buffers, outputs = entry
+        if n not in self._graphs:  # the start-up pass at this size: capture, then replay
+            self.capture(n, list(args))
+        graph, buffers, outputs = self._graphs[n]
         for i, buffer in buffers.items():
             buffer.copy_(args[i])
         graph.replay()

@@ -5,12 +5,14 @@ symbolic sizes. `GraphInput` records where each comes from, so the program can b
 same arguments as `CausalLM.forward` without Dynamo.
 """
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from kiln.compiler.cudagraph import GraphedPiece, default_capture_sizes, pad_tokens, padded_size
 from kiln.errors import KilnError
 from kiln.kernels import AttentionMetadata
 
@@ -53,6 +55,8 @@ class SizedPiece:
     tokens: tuple[int, int | None] | None = None
     static: dict[int, Callable] = field(default_factory=dict)
     returns_tuple: bool = True
+    token_args: tuple[int, ...] = ()
+    """The arguments whose first dimension is the token count (what a CUDA graph copies in)."""
 
     def __call__(self, *args):
         fn = self.dynamic
@@ -106,6 +110,31 @@ class CompiledProgram:
         self._bound = [weights[spec.name] if spec.kind == "weight" else None for spec in inputs]
         self._per_call = [(i, spec) for i, spec in enumerate(inputs) if spec.kind in ("input", "meta", "kv_cache")]
         self._sizes = [(i, spec.of, spec.dim) for i, spec in enumerate(inputs) if spec.kind == "size"]
+        self.capture_sizes: tuple[int, ...] = ()
+        """Token counts a batch is padded up to (each piece replays a CUDA graph at these on CUDA)."""
+
+    def capture_graphs(self, sizes: tuple[int, ...] | None, kv_caches: list[torch.Tensor], block_size: int,
+                       max_size: int) -> None:
+        """Pad batches to `sizes` from now on, and on CUDA capture every compiled piece's graph at
+        each size, largest first, into one memory pool. `sizes` None: the platform's default (on
+        CUDA 1, 2, 4, 8, ... up to `max_size`; on CPU none, since there are no graphs to replay)."""
+        device = kv_caches[0].device
+        if sizes is None:
+            sizes = default_capture_sizes(max_size) if device.type == "cuda" else ()
+        self.capture_sizes = tuple(sorted(set(sizes)))
+        if device.type != "cuda" or not self.capture_sizes:
+            return
+        pool = torch.cuda.graph_pool_handle()
+        graphed = []
+        for program in {forward.__self__ for _, forward in self.graph.routes}:
+            for name, piece in list(vars(program).items()):
+                if isinstance(piece, SizedPiece) and piece.token_args:
+                    graphed.append(GraphedPiece(piece, piece.token_args, self.capture_sizes, pool))
+                    setattr(program, name, graphed[-1])
+        for size in reversed(self.capture_sizes):  # the first call at each size captures
+            self(*_capture_batch(size, kv_caches, block_size, device))
+        for piece in graphed:
+            piece.sealed = True
 
     def __call__(
         self,
@@ -114,6 +143,12 @@ class CompiledProgram:
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        n = input_ids.shape[0]
+        size = padded_size(n, self.capture_sizes) if self.capture_sizes else None
+        if size is not None and size != n:  # padded tokens: token 0, position 0, slot -1 (no KV write)
+            input_ids, positions = pad_tokens(input_ids, size, 0), pad_tokens(positions, size, 0)
+            attn_metadata = dataclasses.replace(attn_metadata, slot_mapping=pad_tokens(attn_metadata.slot_mapping,
+                                                                                         size, -1))
         batch = {"input_ids": input_ids, "positions": positions}
         args = list(self._bound)
         for i, spec in self._per_call:
@@ -126,4 +161,19 @@ class CompiledProgram:
         for i, of, dim in self._sizes:  # after the tensors: a size may precede the tensor it measures
             args[i] = args[of].shape[dim]
         out = self.graph(*args)
-        return out[0] if isinstance(out, (tuple, list)) else out
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        return out[:n]
+
+
+def _capture_batch(size: int, kv_caches: list[torch.Tensor], block_size: int, device: torch.device) -> tuple:
+    """A batch of `size` tokens to capture graphs with: one sequence whose slots are all -1, so the
+    capture writes nothing into the KV cache."""
+    blocks = torch.arange(-(-size // block_size), device=device) % kv_caches[0].shape[1]
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((size,), -1, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor([0, size], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([size], dtype=torch.int32, device=device),
+        block_tables=blocks.to(torch.int32)[None],
+    )
+    tokens = torch.zeros(size, dtype=torch.int64, device=device)
+    return tokens, torch.arange(size, device=device), kv_caches, meta

@@ -69,6 +69,9 @@ class Engine:
                 f"{self.max_model_len}: raise kv_cache_memory_bytes or lower max_model_len"
             )
         kv_caches = allocate_kv_caches(cfg, num_blocks, config.block_size, dtype, device, kv_heads)
+        if forward is not None and hasattr(forward, "capture_graphs"):  # a compiled program: pad, and graph on CUDA
+            forward.capture_graphs(config.cudagraph_sizes, kv_caches, config.block_size,
+                                   min(config.max_num_seqs, config.max_num_batched_tokens))
         self.runner = ModelRunner(forward or model, model.compute_logits, kv_caches, config.block_size, device)
         self.scheduler = Scheduler(config, num_blocks)
         self.default_generator = torch.Generator().manual_seed(seed)

@@ -47,15 +47,37 @@ def test_replays_captured_sizes_and_runs_others_directly():
 
     captured.clear()
     graphed = GraphedPiece(piece, token_args=[0], sizes=[2, 8], pool="pool", graph_type=Graph, capture=capture)
-    graphed.capture_all(lambda n: [torch.zeros(n, 4), weight])
-    assert calls == [8, 8, 2, 2]  # largest first, each warmed up once outside the graph
+    for n in (8, 2):  # start-up: the first call at each size captures, largest first
+        graphed(torch.zeros(n, 4), weight)
+    graphed.sealed = True
+    assert calls == [8, 8, 2, 2]  # each warmed up once outside the graph, then captured
     assert [pool for _, pool in captured] == ["pool", "pool"]
     x = torch.randn(2, 4)
     out = graphed(x, weight)
     graph, buffers, outputs = graphed._graphs[2]
-    assert graph.replays == 1 and out is outputs and torch.equal(buffers[0], x)  # input copied, not re-run
+    assert graph.replays == 2 and out is outputs and torch.equal(buffers[0], x)  # input copied, not re-run
     assert calls == [8, 8, 2, 2]
     direct = graphed(torch.ones(9, 4), weight)  # above the largest size: no graph
     assert calls[-1] == 9 and torch.equal(direct[0], weight.expand(9, 4))
     with pytest.raises(KilnError, match="after start-up"):
         graphed.capture(4, [torch.zeros(4, 4), weight])
+
+
+def test_padded_batches_give_the_unpadded_outputs(demo_dirs, kiln_cache, llama_artifact):
+    """On CPU the same dispatch pads and runs the pieces directly: the padded rows must change nothing."""
+    from kiln import LLM, SamplingParams
+
+    prompts = ["The kiln was", "Clay", "A potter's wheel"]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+    padded = LLM(demo_dirs["llama"], compile=True, cache_dir=kiln_cache, require_artifact=True,
+                 cudagraph_sizes=(1, 2, 4, 8))
+    forward = padded.engine.runner.forward
+    inner, counts = forward.graph, []
+    forward.graph = lambda *args: counts.append(args[inner.tokens_at].shape[0]) or inner(*args)
+    got = padded.generate(prompts, params)
+    assert 4 in counts and 3 not in counts  # three sequences decoding: padded to 4
+    assert all(n in (1, 2, 4, 8) or n > 8 for n in counts)
+    plain = LLM(demo_dirs["llama"], compile=True, cache_dir=kiln_cache, require_artifact=True).generate(prompts, params)
+    for g, p in zip(got, plain):
+        assert g.token_ids == p.token_ids
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(p.logprobs), atol=1e-5, rtol=0)
