@@ -90,5 +90,29 @@ def test_no_tokens():
 
 def test_register_makes_them_the_cuda_kernels():
     register()
-    for op in ("rms_norm", "fused_add_rms_norm_quant", "silu_and_mul_quant"):
+    for op in ("rms_norm", "fused_add_rms_norm_quant", "silu_and_mul_quant", "rotary_embedding_kv_cache_write"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kiln::{op}", "CUDA")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("rotary_dim", [16, 12])  # all of head_dim 16, or part of it
+def test_rope_and_kv_cache_write(dtype, is_neox, rotary_dim):
+    from kiln.kernels.rope_kv_cache import rotary_embedding_kv_cache_write
+    from kiln.kernels.rotary import rope_cos_sin_cache
+    from kiln.kernels.triton.rope_kv_cache import rotary_embedding_kv_cache_write_triton
+
+    torch.manual_seed(2)
+    tokens, heads, kv_heads, dim = 5, 4, 2, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype, device=DEVICE)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)  # strided views, as in the model
+    q, k, v = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+    cos_sin = rope_cos_sin_cache(rotary_dim, 64, 10000.0, None, dtype).to(DEVICE)
+    positions = torch.tensor([0, 3, 7, 30, 63], device=DEVICE)
+    slots = torch.tensor([1, 17, -1, 5, 40], device=DEVICE)  # -1: a padded token writes nothing
+    want_cache, got_cache = (torch.zeros(2, 3, 16, kv_heads, dim, dtype=dtype, device=DEVICE) for _ in range(2))
+    want_q, _ = rotary_embedding_kv_cache_write(positions, q, k, v, cos_sin, is_neox, want_cache, slots)
+    got_q, token = rotary_embedding_kv_cache_write_triton(positions, q, k, v, cos_sin, is_neox, got_cache, slots)
+    _close(got_q, want_q, dtype)
+    _close(got_cache, want_cache, dtype)
+    assert token.numel() == 0 and not got_cache.view(2, -1, kv_heads, dim)[:, [0, 2, 3, 4]].any()

@@ -10,8 +10,10 @@ import torch
 
 from kiln.kernels.triton.activation import silu_and_mul_triton
 from kiln.kernels.triton.norm import fused_add_rms_norm_triton, rms_norm_triton
+from kiln.kernels.triton.rope_kv_cache import rotary_embedding_kv_cache_write_triton
 
-__all__ = ["fused_add_rms_norm_triton", "register", "rms_norm_triton", "silu_and_mul_triton"]
+__all__ = ["fused_add_rms_norm_triton", "register", "rms_norm_triton", "rotary_embedding_kv_cache_write_triton",
+           "silu_and_mul_triton"]
 
 
 def register() -> None:
@@ -23,6 +25,7 @@ def register() -> None:
         "kiln::fused_add_rms_norm_quant": fused_add_rms_norm_triton,
         "kiln::silu_and_mul": silu_and_mul_triton,
         "kiln::silu_and_mul_quant": silu_and_mul_triton,
+        "kiln::rotary_embedding_kv_cache_write": rotary_embedding_kv_cache_write_triton,
     }
     for op, fn in impls.items():
         torch.library.register_kernel(op, "cuda", fn)

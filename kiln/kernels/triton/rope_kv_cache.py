@@ -1,0 +1,72 @@
+"""Rotary embedding of query and key with the rotated key and the value written straight into the
+paged KV cache, one program per token (`kiln::rotary_embedding_kv_cache_write` on CUDA). A token whose
+slot is -1 (padding) writes nothing; its query is still rotated."""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_rows(src_ptr, dst_ptr, heads, pos_cs_ptr, half, head_dim,
+                 IS_NEOX: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr, DIM: tl.constexpr):
+    """Rotate `heads` rows of `head_dim` from src into dst (both row-major [heads, head_dim])."""
+    h = tl.arange(0, HEADS)[:, None]
+    i = tl.arange(0, HALF)[None, :]
+    m = (h < heads) & (i < half)
+    cos = tl.load(pos_cs_ptr + i, mask=i < half, other=0.0).to(tl.float32)
+    sin = tl.load(pos_cs_ptr + half + i, mask=i < half, other=0.0).to(tl.float32)
+    if IS_NEOX:
+        first, second = i, i + half
+    else:
+        first, second = 2 * i, 2 * i + 1
+    x1 = tl.load(src_ptr + h * head_dim + first, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src_ptr + h * head_dim + second, mask=m, other=0.0).to(tl.float32)
+    tl.store(dst_ptr + h * head_dim + first, (x1 * cos - x2 * sin).to(dst_ptr.dtype.element_ty), mask=m)
+    tl.store(dst_ptr + h * head_dim + second, (x2 * cos + x1 * sin).to(dst_ptr.dtype.element_ty), mask=m)
+    d = tl.arange(0, DIM)[None, :]
+    rest = (h < heads) & (d >= 2 * half) & (d < head_dim)  # dimensions past the rotary ones pass through
+    tl.store(dst_ptr + h * head_dim + d, tl.load(src_ptr + h * head_dim + d, mask=rest, other=0.0), mask=rest)
+
+
+@triton.jit
+def _rope_kv_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, q_out_ptr, k_tmp_ptr, cache_ptr, slot_ptr,
+                    q_heads, kv_heads, head_dim, half, cache_half, q_stride, k_stride, v_stride,
+                    IS_NEOX: tl.constexpr, QH: tl.constexpr, KH: tl.constexpr, HALF: tl.constexpr,
+                    DIM: tl.constexpr):
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t)
+    cs = cs_ptr + pos * 2 * half
+    _rotate_rows(q_ptr + t * q_stride, q_out_ptr + t * q_heads * head_dim, q_heads, cs, half, head_dim,
+                 IS_NEOX, QH, HALF, DIM)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        row = k_tmp_ptr + t * kv_heads * head_dim
+        _rotate_rows(k_ptr + t * k_stride, row, kv_heads, cs, half, head_dim, IS_NEOX, KH, HALF, DIM)
+        h = tl.arange(0, KH)[:, None]
+        d = tl.arange(0, DIM)[None, :]
+        m = (h < kv_heads) & (d < head_dim)
+        dst = cache_ptr + slot * kv_heads * head_dim + h * head_dim + d
+        tl.store(dst, tl.load(row + h * head_dim + d, mask=m).to(cache_ptr.dtype.element_ty), mask=m)
+        v = tl.load(v_ptr + t * v_stride + h * head_dim + d, mask=m)
+        tl.store(dst + cache_half, v.to(cache_ptr.dtype.element_ty), mask=m)
+
+
+def rotary_embedding_kv_cache_write_triton(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                                           value: torch.Tensor, cos_sin_cache: torch.Tensor, is_neox: bool,
+                                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+    """-> (rotated query, the ordering token), like the native op; `kv_cache` [2, blocks, block, heads, dim]."""
+    tokens, q_heads, head_dim = query.shape
+    kv_heads = key.shape[1]
+    half = cos_sin_cache.shape[-1] // 2
+    q_out = torch.empty(tokens, q_heads, head_dim, dtype=query.dtype, device=query.device)
+    k_tmp = torch.empty(tokens, kv_heads, head_dim, dtype=key.dtype, device=key.device)
+    for x in (query, key, value):
+        assert x.stride(-1) == 1 and x.stride(-2) == head_dim, "rows of whole heads, as the projections give"
+    if tokens:
+        _rope_kv_kernel[(tokens,)](
+            positions, query, key, value, cos_sin_cache, q_out, k_tmp, kv_cache, slot_mapping,
+            q_heads, kv_heads, head_dim, half, kv_cache[0].numel(), query.stride(0), key.stride(0), value.stride(0),
+            IS_NEOX=is_neox, QH=triton.next_power_of_2(q_heads), KH=triton.next_power_of_2(kv_heads),
+            HALF=triton.next_power_of_2(half), DIM=triton.next_power_of_2(head_dim))
+    return q_out, kv_cache.new_empty(0)
