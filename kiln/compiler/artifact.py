@@ -2,7 +2,7 @@
 
 ```
 <cache>/<key>/
-  manifest.json    format, versions, system, key factors, input contract, variants, kernels, timings
+  manifest.json    format, versions, system, key factors, input contract, variants, timings
   programs/<i>.py  variant i's stitching code (plain Python calling pieces and attention in order)
   blobs/<sha>.so   one per unique compiled piece and size: AOTInductor's library, kernels inside
   blobs/<sha>.json the custom-op calls that library makes (torch's runner reads it beside the .so)
