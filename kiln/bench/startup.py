@@ -185,21 +185,25 @@ def _brief(counters: dict[str, int]) -> str:
 
 
 def measure(model_dir: Path, repeats: int, dtype: str = "float32",
-            report: Callable[[str], None] = _to_stderr) -> dict[str, Any]:
-    """Run every mode `repeats` times (cold compiles first, then warm compiles, then artifact and eager
-    first tokens alternating) in temporary directories it removes; `report` gets one line per run."""
+            report: Callable[[str], None] = _to_stderr, cold_repeats: int | None = None) -> dict[str, Any]:
+    """Run every mode `repeats` times (cold compiles first, `cold_repeats` of them if given, then warm
+    compiles, then artifact and eager first tokens alternating) in temporary directories it removes;
+    `report` gets one line per run."""
     model_dir = Path(model_dir).resolve()
     samples: dict[str, list[Sample]] = {mode: [] for mode in MODES}
 
+    cold_repeats = cold_repeats or repeats
+
     def record(mode: str, i: int, sample: Sample) -> None:
         samples[mode].append(sample)
-        report(f"{LABELS[mode]} {i + 1}/{repeats}: {sample.seconds:.1f} s ({_brief(sample.counters)})")
+        n = cold_repeats if mode == "cold_compile" else repeats
+        report(f"{LABELS[mode]} {i + 1}/{n}: {sample.seconds:.1f} s ({_brief(sample.counters)})")
 
     with tempfile.TemporaryDirectory(prefix="kiln-bench-startup-") as tmp:
         work = Path(tmp)
         logger.info("benchmarking %s in %s", model_dir, work)
         artifact = None
-        for i in range(repeats):
+        for i in range(cold_repeats):
             sample, artifact = cold_compile(model_dir, work / f"cold-{i}", dtype)
             record("cold_compile", i, sample)
         assert artifact is not None  # repeats >= 1
@@ -218,6 +222,7 @@ def measure(model_dir: Path, repeats: int, dtype: str = "float32",
         "model": str(model_dir),
         "dtype": dtype,
         "repetitions": repeats,
+        "cold_repetitions": cold_repeats,
         "machine": machine(),
         "artifact": size,
         "modes": modes,
@@ -342,6 +347,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "*.safetensors, tokenizer.json)")
     parser.add_argument("--repeats", type=_at_least_one, default=3, metavar="N", help="fresh processes per mode "
                         "(default 3); the median counts, min and max show the spread")
+    parser.add_argument("--cold-repeats", type=_at_least_one, metavar="N", help="cold compiles (default: "
+                        "--repeats); they take the longest and no check reads their time")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and "
                         "activations dtype (default float32)")
     parser.add_argument("--out", metavar="FILE.json", help="also write the JSON result here")
@@ -365,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
     for option, out in (("--out", args.out), ("--chart", args.chart)):
         if out and not Path(out).resolve().parent.is_dir():
             raise KilnError(f"{option} {out}: directory {Path(out).resolve().parent} does not exist")
-    result = measure(model_dir, args.repeats, args.dtype)
+    result = measure(model_dir, args.repeats, args.dtype, cold_repeats=args.cold_repeats)
     result["checks"] = check(result, args.max_artifact_ratio)
     failures = failed(result["checks"])
     result["passed"] = not failures
