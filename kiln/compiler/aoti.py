@@ -7,7 +7,6 @@ piece (kiln's) are called through a proxy executor that reads the op calls from 
 the library, named like it.
 """
 
-import logging
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -18,8 +17,6 @@ import torch
 from torch import fx
 
 from kiln.errors import KilnError
-
-logger = logging.getLogger(__name__)
 
 LIBRARY_SUFFIX = ".so"
 CALLS_SUFFIX = ".json"
@@ -106,8 +103,7 @@ class LoadedLibrary:
             runner = torch._C._aoti.AOTIModelContainerRunnerCuda(str(library), 1, device)
         else:
             raise KilnError(f"this torch cannot run AOTInductor libraries on {device!r}")
-        self._run: Callable = runner.run
-        self._runner = runner  # keeps the library loaded
+        self._run: Callable = runner.run  # the bound method keeps the runner, and the library, loaded
         self.tensor_args = tensor_args
 
     def __call__(self, *args) -> list[torch.Tensor]:
