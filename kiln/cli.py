@@ -371,7 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compile_options(comp)
     comp.add_argument("--dump-dir", metavar="DIR", help="write depyf's decompiled bytecode and the graphs before "
                       "and after splitting here")
-    comp.add_argument("--force", action="store_true", help="compile even if a valid artifact is present")
+    comp.add_argument("--force", action="store_true", help="compile even if a valid artifact is present, every piece afresh "
+                      "(compiled pieces kept for reuse are not read)")
     comp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     comp.set_defaults(func=_cmd_compile)
 

@@ -22,6 +22,16 @@ def hf_models(demo_dirs) -> dict:
     }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_piece_cache(tmp_path_factory):
+    """One piece cache for every artifact cache of the run, subprocesses included: a piece compiled
+    for one test's artifact is reused by the next (AOTInductor compiles are not in Inductor's cache)."""
+    with pytest.MonkeyPatch.context() as mp:
+        root = tmp_path_factory.mktemp("pieces")
+        mp.setenv("KILN_PIECE_CACHE", str(root))
+        yield root
+
+
 @pytest.fixture(scope="session")
 def kiln_cache(tmp_path_factory):
     """One artifact cache for the test run: each tiny model is compiled once and shared."""

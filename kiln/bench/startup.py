@@ -3,8 +3,8 @@ its first token from the artifact and eagerly.
 
 Four modes, each run `repeats` times, every run a fresh Python process:
 
-  cold_compile          `kiln compile` with an empty artifact cache, an empty Inductor cache and a fresh
-                        TMPDIR (Inductor keeps its precompiled header there): nothing to reuse
+  cold_compile          `kiln compile` with an empty artifact cache, empty Inductor and piece caches and
+                        a fresh TMPDIR (Inductor keeps its precompiled header there): nothing to reuse
   warm_compile          `kiln compile` again, the artifact present: it should only verify it
   artifact_first_token  start to first token of a process that loads the artifact (require_artifact)
   eager_first_token     the same on kiln's eager path: the baseline the artifact is held to
@@ -97,9 +97,11 @@ def _to_stderr(line: str) -> None:
 
 
 def _child_env(root: Path) -> dict[str, str]:
-    """An empty Inductor cache and TMPDIR for one child, so it can reuse nothing an earlier one left."""
+    """An empty Inductor cache, piece cache and TMPDIR for one child, so it can reuse nothing an
+    earlier one left."""
     (root / "tmp").mkdir(parents=True)
-    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), "TMPDIR": str(root / "tmp")}
+    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), "TMPDIR": str(root / "tmp"),
+            "KILN_PIECE_CACHE": str(root / "pieces")}
 
 
 def _run_child(args: list[str], env: dict[str, str], label: str) -> Sample:

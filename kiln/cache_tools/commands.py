@@ -186,14 +186,16 @@ def prune_cache(cache_dir: Path, older_than: float | None, max_size: int | None,
     if as_json:
         _print_json({"removed": [e.key for e in report.removed], "freed_bytes": report.freed_bytes,
                      "busy": {e.key: why for e, why in report.busy}, "kept": [e.key for e in report.kept],
-                     "dry_run": dry_run})
+                     "pieces_removed": report.pieces_removed, "dry_run": dry_run})
         return 0
     verb = "would remove" if dry_run else "removed"
     for e in report.removed:
         print(f"{verb} {e.key} {_model(e)} {format_size(e.bytes)}, last used {_when(e.last_used)}")
     for e, why in report.busy:
         print(f"kept    {e.key}: {why}")
-    print(f"{verb} {len(report.removed)} artifacts ({format_size(report.freed_bytes)}); {len(report.kept)} kept")
+    pieces = f" and {report.pieces_removed} compiled pieces" if report.pieces_removed else ""
+    print(f"{verb} {len(report.removed)} artifacts{pieces} ({format_size(report.freed_bytes)}); "
+          f"{len(report.kept)} kept")
     return 0
 
 

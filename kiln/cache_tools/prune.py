@@ -1,13 +1,18 @@
 """`kiln cache prune`: drop artifacts unused for a while, or the least recently used ones until the
-cache fits a size. A key being compiled or loaded by a running process is never touched."""
+cache fits a size. A key being compiled or loaded by a running process is never touched. Compiled
+pieces kept for reuse in `<cache>/pieces` age out the same way and, under a size limit, go first:
+they only speed up compiles. (A piece cache moved elsewhere by `$KILN_PIECE_CACHE` is not this
+cache's to prune.)"""
 
 import logging
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.cache_tools.entries import Entry, list_entries
 from kiln.compiler import artifact, usage
+from kiln.compiler.piece_cache import FOLDER, PieceCache
 
 logger = logging.getLogger(__name__)
 
@@ -18,10 +23,12 @@ class PruneReport:
     busy: list[tuple[Entry, str]] = field(default_factory=list)
     """Entries prune would have removed but could not: (entry, why)."""
     kept: list[Entry] = field(default_factory=list)
+    pieces_removed: int = 0
+    pieces_freed_bytes: int = 0
 
     @property
     def freed_bytes(self) -> int:
-        return sum(e.bytes for e in self.removed)
+        return sum(e.bytes for e in self.removed) + self.pieces_freed_bytes
 
 
 def prune(cache_dir: Path, older_than: float | None = None, max_size: int | None = None,
@@ -31,8 +38,16 @@ def prune(cache_dir: Path, older_than: float | None = None, max_size: int | None
     reports what would go (and cannot know which keys would turn out busy)."""
     now = time.time() if now is None else now
     entries = sorted(list_entries(cache_dir), key=lambda e: e.last_activity)  # least recently used first
-    total = sum(e.bytes for e in entries)
+    piece_entries = sorted(PieceCache(Path(cache_dir) / FOLDER).entries(), key=lambda e: e[1])
+    total = sum(e.bytes for e in entries) + sum(size for _, _, size in piece_entries)
     report = PruneReport()
+    for folder, used, size in piece_entries:
+        if (older_than is not None and now - used > older_than) or (max_size is not None and total > max_size):
+            if not dry_run:
+                shutil.rmtree(folder, ignore_errors=True)
+            report.pieces_removed += 1
+            report.pieces_freed_bytes += size
+            total -= size
     for entry in entries:
         too_old = older_than is not None and now - entry.last_activity > older_than
         too_big = max_size is not None and total > max_size

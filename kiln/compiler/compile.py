@@ -1,7 +1,8 @@
 """`kiln compile`: trace, split, compile each unique piece with Inductor, save one artifact.
 
 Pieces whose graphs are the same up to input names (every middle decoder layer) are compiled once.
-Each unique piece is compiled for a symbolic token count and, if asked, for static token counts.
+Each unique piece is compiled for a symbolic token count and, if asked, for static token counts;
+a piece another artifact already compiled for the same inputs comes from the piece cache.
 """
 
 import copy
@@ -26,6 +27,7 @@ from kiln.compiler import artifact, usage
 from kiln.compiler.aoti import CompiledLibrary, check_compilable, compile_library, tensor_args
 from kiln.compiler.counters import counters
 from kiln.compiler.key import cache_key, model_factors
+from kiln.compiler.piece_cache import PieceCache, piece_cache_key
 from kiln.compiler.program import arg_names
 from kiln.compiler.split import Piece, split_graph, stitching_source
 from kiln.compiler.trace import TracedBackbone, trace_backbone
@@ -129,10 +131,12 @@ def compile_pieces(
     progress: bool | None = None,
     dynamic: bool = True,
     done: dict | None = None,
+    cache: PieceCache | None = None,
 ) -> dict[str, PieceBuild]:
     """Compile every non-splitting piece (unique graphs once, per size); returns name -> build.
     `dynamic=False` compiles the static sizes only; `done` maps (graph key, size) to compiles made
-    earlier (another variant's pieces that came out the same)."""
+    earlier (another variant's pieces that came out the same); `cache` holds compiles made for
+    other artifacts."""
     done = {} if done is None else done
     builds: dict[str, PieceBuild] = {}
     todo = [(piece, normalize(piece.graph)) for piece in pieces if not piece.is_splitting]
@@ -154,11 +158,18 @@ def compile_pieces(
                         inputs, mode = examples, detect_fake_mode(examples)
                     else:
                         inputs, mode = _static_examples(examples, token_symbol, size)
-                    done[key, size] = compile_library(copy.deepcopy(graph), inputs, mode)
-                    counters["pieces_compiled"] += 1
-                    label = "dynamic" if size is None else f"size {size}"
-                    logger.info("compiled %s %s (%s) in %.2fs", piece.name, label, key[:12],
-                                time.perf_counter() - start)
+                    stored = piece_cache_key(graph, inputs) if cache is not None else None
+                    hit = cache.get(stored) if stored is not None else None
+                    if hit is None:
+                        done[key, size] = compile_library(copy.deepcopy(graph), inputs, mode)
+                        counters["pieces_compiled"] += 1
+                        if stored is not None:
+                            cache.put(stored, done[key, size])
+                    else:
+                        done[key, size] = hit
+                        counters["pieces_cached"] += 1
+                    logger.info("%s %s %s (%s) in %.2fs", "reused" if hit else "compiled", piece.name,
+                                "dynamic" if size is None else f"size {size}", key[:12], time.perf_counter() - start)
                     bar.update()
                 else:
                     counters["pieces_reused"] += 1
@@ -220,7 +231,8 @@ def _graph_texts(folder: str, before_passes: str, graph: fx.GraphModule, stitche
 
 
 def _build_variants(traced: TracedBackbone, manager: PassManager, compile_config: CompileConfig,
-                    timings: dict[str, float], debug: dict[str, str], progress: bool | None) -> list[VariantBuild]:
+                    timings: dict[str, float], debug: dict[str, str], progress: bool | None,
+                    cache: PieceCache | None) -> list[VariantBuild]:
     """Run the passes, split and compile once per group of size ranges whose passes agree (one group
     unless a pass declines some sizes). Pieces that come out the same in two variants compile once.
     Each variant's graphs are added to `debug` as text."""
@@ -244,7 +256,8 @@ def _build_variants(traced: TracedBackbone, manager: PassManager, compile_config
         sizes = [lo for lo, hi in group if (lo, hi) in statics]
         debug |= _graph_texts("graphs" if i == 0 else f"graphs-{i}", before_passes, graph, stitched, pieces)
         start = time.perf_counter()
-        builds = compile_pieces(pieces, token_symbol, tuple(sizes), progress, dynamic=bool(dynamic), done=done)
+        builds = compile_pieces(pieces, token_symbol, tuple(sizes), progress, dynamic=bool(dynamic), done=done,
+                                cache=cache)
         timings["compile"] = timings.get("compile", 0.0) + time.perf_counter() - start
         program = stitching_source(stitched, pieces, arg_names(traced.inputs))
         variants.append(VariantBuild(dynamic, sizes, report, program, builds))
@@ -298,7 +311,8 @@ def build_artifact(
             traced = trace_backbone(model)
         timings["trace"] = time.perf_counter() - start
         debug = {"dynamo/decompiled.py": traced.decompiled, "dynamo/graph.py": traced.dynamo_graph}
-        variants = _build_variants(traced, manager, compile_config, timings, debug, progress)
+        pieces = PieceCache.for_cache_dir(cache_dir, read=not force)
+        variants = _build_variants(traced, manager, compile_config, timings, debug, progress, pieces)
         if dump_dir is not None:
             for rel, text in debug.items():
                 (Path(dump_dir) / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -4,4 +4,5 @@ from collections import Counter
 
 counters: Counter[str] = Counter()
 """Keys: graphs_traced, pieces, pieces_compiled (Inductor compiles: one per unique graph and size),
-pieces_reused (a piece served by an earlier compile), blobs_saved, blobs_loaded."""
+pieces_reused (a piece served by an earlier compile of this artifact), pieces_cached (one served by
+the piece cache: compiled for another artifact), blobs_saved, blobs_loaded."""

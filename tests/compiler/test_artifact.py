@@ -231,8 +231,11 @@ def test_manifest_records_factors_contract_and_timings(llama_artifact):
     assert program.count("torch.ops.kiln.attention") == 4 and "self.submod_8(" in program
 
 
-def test_static_sizes_are_used_for_their_token_count(tmp_path, demo_dirs, kiln_cache):
+def test_static_sizes_are_used_for_their_token_count(tmp_path, demo_dirs, kiln_cache, llama_artifact):
+    counters.clear()
     llm = LLM(demo_dirs["llama"], compile=True, cache_dir=kiln_cache, compile_config=CompileConfig(sizes=(1,)))
+    # another key, but its dynamic pieces are the default artifact's: the piece cache serves them
+    assert counters["pieces_cached"] >= 3 and counters["pieces_compiled"] + counters["pieces_cached"] == 6
     [program] = {forward.__self__ for _, forward in llm.engine.runner.forward.graph.routes}
     pieces = [p for p in program.__dict__.values() if hasattr(p, "static")]
     assert len(pieces) == 5 and all(set(p.static) == {1} for p in pieces)

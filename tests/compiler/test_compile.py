@@ -20,10 +20,10 @@ def test_compiled_equals_eager(demo_dirs, kiln_cache, arch):
     counters.clear()
     llm = LLM(demo_dirs[arch], compile=True, cache_dir=kiln_cache, **MIXED)
     if arch != "llama" or counters["graphs_traced"]:  # llama's artifact may already be built by another test
-        assert dict(counters) == {
-            "graphs_traced": 1, "pieces": 5, "pieces_compiled": 3, "pieces_reused": 2, "blobs_saved": 3,
-            "blobs_loaded": 3,
-        }
+        got = dict(counters)
+        made = got.pop("pieces_compiled", 0) + got.pop("pieces_cached", 0)  # cached: another test compiled it
+        assert made == 3 and got == {"graphs_traced": 1, "pieces": 5, "pieces_reused": 2, "blobs_saved": 3,
+                                     "blobs_loaded": 3}
     program, calls = llm.engine.runner.forward, []
     llm.engine.runner.forward = lambda *a: calls.append(1) or program(*a)
     compiled = llm.generate(PROMPTS, GREEDY)
@@ -49,10 +49,12 @@ def test_unique_blobs_do_not_grow_with_depth(tmp_path, llama_artifact, kiln_cach
     model_dir = write_demo_model(tmp_path / "l16", arch="llama", num_layers=16, train_steps=0)
     counters.clear()
     llm = LLM(model_dir, compile=True, cache_dir=kiln_cache)
-    assert counters["pieces"] == 17 and counters["pieces_compiled"] == 3 and counters["blobs_saved"] == 3
-    # the same number of unique blobs as the 4-layer model (their bytes differ when one compile hit
-    # Inductor's cache and the other did not)
-    assert len(list((llm.artifact_path / "blobs").glob("*.so"))) == len(list((llama_artifact / "blobs").glob("*.so"))) == 3
+    # the 4-layer model's three unique pieces are the same graphs for the same inputs: the piece
+    # cache serves all three, and the artifact holds the same three libraries
+    assert counters["pieces"] == 17 and counters["pieces_cached"] == 3 and counters["pieces_compiled"] == 0
+    assert counters["blobs_saved"] == 3
+    blobs = {p.name for p in (llm.artifact_path / "blobs").glob("*.so")}
+    assert blobs == {p.name for p in (llama_artifact / "blobs").glob("*.so")} and len(blobs) == 3
     out = llm.generate(["The kiln"], GREEDY)[0]
     assert out.token_ids == LLM(model_dir).generate(["The kiln"], GREEDY)[0].token_ids
 
