@@ -72,6 +72,9 @@ class PassConfig:
     """Attention -> static quant of its output => attention writing quantized output."""
     lowering: bool = True
     """After fusion, kiln ops with a native torch form become that form, for Inductor to fuse."""
+    kernel_choice: bool = True
+    """On CUDA, lowering first times each norm/activation op's Triton kernel against Inductor's code
+    for it and keeps the kernel where it is faster (recorded in the manifest); off: Inductor's always."""
 
 
 @dataclass(frozen=True)

@@ -107,8 +107,8 @@ def save(
 ) -> None:
     """Write the artifact into a temporary sibling of `path`, then move it into place in one step.
 
-    Each of `variants` has `ranges`, `sizes`, `program` (source), `passes` (report entries) and
-    `pieces`: piece name -> an object with `compiled` ({size or None: CompiledLibrary}), `tokens`,
+    Each of `variants` has `ranges`, `sizes`, `program` (source), `passes` (report entries),
+    `kernel_choices` (the lowering's measured decisions, CUDA) and `pieces`: piece name -> an object with `compiled` ({size or None: CompiledLibrary}), `tokens`,
     `returns_tuple` and `tensor_args`. `debug` maps a relative path under debug/ -> text; each
     library's C++ is added under debug/inductor/.
     """
@@ -133,7 +133,8 @@ def save(
                                  "tensor_args": list(build.tensor_args), "token_args": list(build.token_args)}
             program = _write_file(tmp / PROGRAMS / f"{i}.py", variant["program"].encode())
             variant_entries.append({"ranges": [list(r) for r in variant["ranges"]], "sizes": list(variant["sizes"]),
-                                    "program": program, "pieces": entries, "passes": variant["passes"]})
+                                    "program": program, "pieces": entries, "passes": variant["passes"],
+                                    "kernel_choices": variant.get("kernel_choices", [])})
         debug_entries = {}
         for rel, text in sorted(debug.items()):
             (tmp / "debug" / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -325,7 +325,8 @@ def build_artifact(
             variants=[{"ranges": v.ranges, "sizes": v.sizes, "program": v.program, "pieces": v.pieces,
                        "passes": [{"name": p.name, "matches": v.report.matches.get(p.name),
                                    "seconds": round(v.report.seconds.get(p.name, 0.0), 4)}
-                                  for p in manager.passes]}  # a list: pipeline order
+                                  for p in manager.passes],  # a list: pipeline order
+                       "kernel_choices": [c.as_dict() for c in v.report.kernel_choices]}
                       for v in variants],
             debug=debug,
             info={

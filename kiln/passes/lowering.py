@@ -2,8 +2,9 @@
 native torch form, which Inductor then fuses with its neighbours into one generated loop.
 
 Kept as ops: the attention (the split point), the cache writes (mutations that order the attention),
-the collectives and `scaled_mm` (a library matmul either way). On CUDA the Triton kernels of the CUDA
-issue will be chosen here instead, op by op, by measurement.
+the collectives and `scaled_mm` (a library matmul either way). On CUDA each norm and activation op is
+first measured against its Triton kernel (`kernel_choice`): where the kernel is faster it is kept,
+as a `kiln_triton` op AOTInductor compiles in, and not lowered.
 """
 
 import torch
@@ -13,7 +14,8 @@ from kiln.kernels.activation import silu_and_mul_native
 from kiln.kernels.norm import fused_add_rms_norm_native, rms_norm_native
 from kiln.kernels.quant import quant_native
 from kiln.kernels.rotary import rotary_embedding_native
-from kiln.passes.base import Pattern, PatternPass
+from kiln.passes.base import Pattern, PatternPass, SizeRange
+from kiln.passes.kernel_choice import KernelChoice, choose_kernels, measured_tokens
 from kiln.passes.fusion.quant_kinds import QUANT_KINDS, QuantKind
 
 ops = torch.ops.kiln
@@ -94,13 +96,21 @@ def _gather_then_norm(graph: fx.Graph) -> None:
 
 
 class Lowering(PatternPass):
-    """kiln ops with a native torch form => that form, for Inductor to fuse (CPU)."""
+    """kiln ops with a native torch form => that form, for Inductor to fuse, except where a
+    measured Triton kernel wins (CUDA). `size_range` (set by the pass manager) is where the choice
+    is measured; `choices` holds the last run's decisions."""
 
     name = "lowering"
+
+    def __init__(self, choose: bool = True):
+        self.choose = choose
+        self.size_range: SizeRange = (1, 1)
+        self.choices: list[KernelChoice] = []
 
     def patterns(self) -> list[Pattern]:
         return [*_norms(), _rotary(), *(p for kind in QUANT_KINDS for p in _quantized(kind))]
 
     def __call__(self, graph: fx.Graph) -> int:
         _gather_then_norm(graph)  # counted below, as the norm it exposes
+        self.choices = choose_kernels(graph, measured_tokens(self.size_range)) if self.choose else []
         return super().__call__(graph)

@@ -22,6 +22,7 @@ from kiln.passes.fusion.allreduce_rms import AllReduceRMSFusion
 from kiln.passes.fusion.attn_quant import AttentionQuantFusion
 from kiln.passes.fusion.rms_quant import RMSNormQuantFusion
 from kiln.passes.fusion.rope_kvcache import RopeKVCacheFusion
+from kiln.passes.kernel_choice import KernelChoice
 from kiln.passes.lowering import Lowering
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,8 @@ class PassReport:
 
     matches: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    kernel_choices: list[KernelChoice] = field(default_factory=list)
+    """The lowering pass's measured kernel decisions (CUDA only)."""
 
 
 def load_pass(spec: str) -> GraphPass:
@@ -70,7 +73,7 @@ class PassManager:
         ]
         self.passes: list[GraphPass] = [p for on, p in builtin if on] + list(custom)
         if config.lowering:
-            self.passes.append(Lowering())
+            self.passes.append(Lowering(choose=config.kernel_choice))
         self.passes.append(DeadCodeElimination())
         names = [p.name for p in self.passes]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -100,8 +103,12 @@ class PassManager:
             if not p.applies_to(size_range):
                 continue
             start = time.perf_counter()
+            if isinstance(p, Lowering):
+                p.size_range = size_range
             report.matches[p.name] = int(p(graph.graph))
             report.seconds[p.name] = time.perf_counter() - start
+            if isinstance(p, Lowering):
+                report.kernel_choices = list(p.choices)
             logger.debug("pass %s: %d matches in %.3fs", p.name, report.matches[p.name], report.seconds[p.name])
         graph.graph.lint()
         graph.recompile()

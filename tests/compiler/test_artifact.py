@@ -217,6 +217,7 @@ def test_manifest_records_factors_contract_and_timings(llama_artifact):
     assert set(manifest["timings"]) == {"trace", "passes", "split", "compile"}
     [variant] = manifest["variants"]  # every kiln pass applies to every size: one variant
     assert variant["ranges"] == [[1, 2048]] and variant["sizes"] == []
+    assert variant["kernel_choices"] == []  # on CPU no kernel competes with Inductor's code
     assert len(variant["pieces"]) == 5 and len({p["sizes"]["dynamic"]["sha256"] for p in variant["pieces"].values()}) == 3
     assert {e["kind"] for e in manifest["inputs"]} == {"weight", "input", "meta", "kv_cache", "size"}
     kv = next(e for e in manifest["inputs"] if e["kind"] == "kv_cache")

@@ -90,7 +90,8 @@ def test_no_tokens():
 
 def test_register_makes_them_the_cuda_kernels():
     register()
-    for op in ("rms_norm", "fused_add_rms_norm_quant", "silu_and_mul_quant", "rotary_embedding_kv_cache_write"):
+    for op in ("rms_norm", "fused_add_rms_norm_quant", "silu_and_mul_quant", "rotary_embedding_kv_cache_write",
+               "attention", "attention_quant"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kiln::{op}", "CUDA")
 
 
@@ -116,3 +117,63 @@ def test_rope_and_kv_cache_write(dtype, is_neox, rotary_dim):
     _close(got_q, want_q, dtype)
     _close(got_cache, want_cache, dtype)
     assert token.numel() == 0 and not got_cache.view(2, -1, kv_heads, dim)[:, [0, 2, 3, 4]].any()
+
+
+def _paged_batch(q_heads, kv_heads, dim, dtype, shape, block_size=4, blocks=32):
+    """A flat batch of sequences (query tokens, context length), each over scattered cache blocks."""
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(2, blocks, block_size, kv_heads, dim, generator=g).to(dtype).to(DEVICE)
+    order = torch.randperm(blocks, generator=g)
+    per_seq = -(-max(ctx for _, ctx in shape) // block_size)
+    tables = torch.zeros(len(shape), per_seq, dtype=torch.int32)
+    used = 0
+    for i, (_, ctx) in enumerate(shape):
+        n = -(-ctx // block_size)
+        tables[i, :n] = order[used:used + n]
+        used += n
+    starts = torch.tensor([0, *torch.tensor([q for q, _ in shape]).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(int(starts[-1]), q_heads, dim, generator=g).to(dtype).to(DEVICE)
+    lens = torch.tensor([ctx for _, ctx in shape], dtype=torch.int32)
+    return query, cache, starts.to(DEVICE), lens.to(DEVICE), tables.to(DEVICE)
+
+
+MIXED = [(1, 7), (5, 5), (3, 10), (1, 1), (6, 13)]  # decodes, a whole prefill, chunked prefills
+DECODES = [(1, 9), (1, 1), (1, 16), (1, 3)]
+LONG = [(40, 45), (1, 5), (33, 33)]  # queries over two programs, keys over two tiles of 32
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(4, 2, 16), (6, 1, 48), (2, 2, 32)])  # (Hq, Hkv, head dim): GQA, MQA, MHA
+@pytest.mark.parametrize("shape", [MIXED, DECODES, LONG], ids=["mixed", "decodes", "long"])
+@pytest.mark.parametrize("window", [0, 3])
+def test_paged_attention(dtype, heads, shape, window):
+    from kiln.kernels.attention import attention_native
+    from kiln.kernels.triton.attention import attention_triton
+
+    query, cache, starts, lens, tables = _paged_batch(*heads, dtype, shape)
+    scale = heads[2] ** -0.5
+    want = attention_native(query, cache, starts, lens, tables, scale, window)
+    got = attention_triton(query, cache, cache.new_empty(0), starts, lens, tables, scale, window)
+    _close(got, want, dtype)
+
+
+@pytest.mark.parametrize("quant", [(torch.int8, 0.02), pytest.param((torch.float8_e4m3fn, 0.002), marks=FP8_ON_GPU)])
+def test_paged_attention_quant(quant):
+    from kiln.kernels.attention_quant import attention_quant
+    from kiln.kernels.triton.attention import attention_quant_triton
+
+    query, cache, starts, lens, tables = _paged_batch(4, 2, 16, torch.float32, MIXED)
+    scale = torch.tensor([quant[1]], device=DEVICE)
+    want_q, want_s = attention_quant(query, cache, cache.new_empty(0), starts, lens, tables, 0.25, 0, quant[0], scale)
+    got_q, got_s = attention_quant_triton(query, cache, cache.new_empty(0), starts, lens, tables, 0.25, 0, quant[0],
+                                          scale)
+    assert got_s.shape == want_s.shape == (1, 1) and torch.equal(got_s, want_s)
+    _close(got_q, want_q, torch.float32)
+
+
+def test_paged_attention_no_tokens():
+    from kiln.kernels.triton.attention import attention_triton
+
+    query, cache, starts, lens, tables = _paged_batch(4, 2, 16, torch.float32, [(1, 3)])
+    empty = attention_triton(query[:0], cache, cache.new_empty(0), starts[:1], lens[:0], tables[:0], 0.25, 0)
+    assert empty.shape == (0, 4, 16)

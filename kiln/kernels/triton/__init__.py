@@ -9,10 +9,11 @@ interpreter when it decorates a kernel).
 import torch
 
 from kiln.kernels.triton.activation import silu_and_mul_triton
+from kiln.kernels.triton.attention import attention_quant_triton, attention_triton
 from kiln.kernels.triton.norm import fused_add_rms_norm_triton, rms_norm_triton
 from kiln.kernels.triton.rope_kv_cache import rotary_embedding_kv_cache_write_triton
 
-__all__ = ["fused_add_rms_norm_triton", "register", "rms_norm_triton", "rotary_embedding_kv_cache_write_triton",
+__all__ = ["attention_quant_triton", "attention_triton", "fused_add_rms_norm_triton", "register", "rms_norm_triton", "rotary_embedding_kv_cache_write_triton",
            "silu_and_mul_triton"]
 
 
@@ -26,6 +27,8 @@ def register() -> None:
         "kiln::silu_and_mul": silu_and_mul_triton,
         "kiln::silu_and_mul_quant": silu_and_mul_triton,
         "kiln::rotary_embedding_kv_cache_write": rotary_embedding_kv_cache_write_triton,
+        "kiln::attention": attention_triton,
+        "kiln::attention_quant": attention_quant_triton,
     }
     for op, fn in impls.items():
         torch.library.register_kernel(op, "cuda", fn)

@@ -5,6 +5,7 @@ then the product in the input dtype."""
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 from kiln.kernels.triton.quant import quant_args, store_quantized
 
@@ -34,7 +35,8 @@ def silu_and_mul_triton(x: torch.Tensor, quant_dtype: torch.dtype | None = None,
     out = torch.empty(rows, d, dtype=x.dtype, device=x.device) if quant_dtype is None else x2.new_empty(0)
     meta, (q, scale_in, scale_out) = quant_args(rows, d, quant_dtype, scale, x.device)
     if rows:
-        _silu_and_mul_kernel[(rows,)](x2, out, q, scale_in, scale_out, d, BLOCK=triton.next_power_of_2(d), **meta)
+        wrap_triton(_silu_and_mul_kernel)[(rows,)](x2, out, q, scale_in, scale_out, d,
+                                                   BLOCK=triton.next_power_of_2(d), **meta)
     if quant_dtype is None:
         return out.view(*x.shape[:-1], d)
     return q, scale_out

@@ -7,6 +7,7 @@ dtype, normalized in fp32, rounded again, then scaled by the weight in the input
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 from kiln.kernels.triton.quant import quant_args, store_quantized
 
@@ -45,8 +46,9 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     res_out = torch.empty_like(x2) if residual is not None else out
     meta, (q, scale_in, scale_out) = quant_args(rows, n_cols, quant_dtype, scale, x.device)
     if rows:
-        _rms_norm_kernel[(rows,)](x2, res2, weight, out, res_out, q, scale_in, scale_out, n_cols, eps,
-                                  HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols), **meta)
+        wrap_triton(_rms_norm_kernel)[(rows,)](
+            x2, res2, weight, out, res_out, q, scale_in, scale_out, n_cols, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols), **meta)
     res_out = res_out.view(x.shape) if residual is not None else None
     if quant_dtype is None:
         return out.view(x.shape), res_out
