@@ -24,12 +24,13 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 from tqdm import tqdm
 
 from kiln.compiler import artifact, usage
-from kiln.compiler.aoti import CompiledLibrary, check_compilable, compile_library, tensor_args
+from kiln.compiler.aoti import CompiledLibrary, check_compilable, tensor_args
 from kiln.compiler.counters import counters
 from kiln.compiler.key import cache_key, model_factors
 from kiln.compiler.piece_cache import PieceCache, piece_cache_key
 from kiln.compiler.program import arg_names
 from kiln.compiler.split import Piece, split_graph, stitching_source
+from kiln.compiler.workers import CompileJob, compile_jobs, probe_cpu_in_background
 from kiln.compiler.trace import TracedBackbone, trace_backbone
 from kiln.config import CompileConfig, dtype_name
 from kiln.models.llama import CausalLM
@@ -136,48 +137,57 @@ def compile_pieces(
     """Compile every non-splitting piece (unique graphs once, per size); returns name -> build.
     `dynamic=False` compiles the static sizes only; `done` maps (graph key, size) to compiles made
     earlier (another variant's pieces that came out the same); `cache` holds compiles made for
-    other artifacts."""
+    other artifacts. What is left to compile is compiled side by side (`workers.py`)."""
     done = {} if done is None else done
-    builds: dict[str, PieceBuild] = {}
     todo = [(piece, normalize(piece.graph)) for piece in pieces if not piece.is_splitting]
     keys = [piece_key(graph) for _, graph in todo]
     wanted = ((None,) if dynamic else ()) + tuple(sizes)
-    work = {(k, size) for k in keys for size in wanted} - done.keys()
+    plans = []  # (piece, examples, tokens, sizes): what each piece's build is made of
+    jobs: list[CompileJob] = []
+    job_of: list[tuple[str, int | None, str | None, str]] = []  # per job: graph key, size, piece-cache key, label
+    queued: set[tuple[str, int | None]] = set()
+    for (piece, graph), key in zip(todo, keys):
+        counters["pieces"] += 1
+        examples = _examples(piece)
+        check_compilable(piece.name, graph, examples)
+        tokens = _token_location(examples, token_symbol)
+        piece_sizes = wanted if tokens is not None else (None,)
+        plans.append((piece, examples, tokens, piece_sizes))
+        for size in piece_sizes:
+            if (key, size) in done or (key, size) in queued:
+                counters["pieces_reused"] += 1
+                continue
+            if size is None:
+                inputs, mode = examples, detect_fake_mode(examples)
+            else:
+                inputs, mode = _static_examples(examples, token_symbol, size)
+            label = f"{piece.name} {'dynamic' if size is None else f'size {size}'} ({key[:12]})"
+            stored = piece_cache_key(graph, inputs) if cache is not None else None
+            hit = cache.get(stored) if stored is not None else None
+            if hit is not None:
+                done[key, size] = hit
+                counters["pieces_cached"] += 1
+                logger.info("reused %s from the piece cache", label)
+                continue
+            jobs.append(CompileJob(graph, inputs, mode))
+            job_of.append((key, size, stored, label))
+            queued.add((key, size))
     disable = None if progress is None else not progress  # None: show only on a terminal
-    with tqdm(total=len(work), desc="kiln compile", unit="graph", disable=disable) as bar:
-        for (piece, graph), key in zip(todo, keys):
-            counters["pieces"] += 1
-            examples = _examples(piece)
-            check_compilable(piece.name, graph, examples)
-            tokens = _token_location(examples, token_symbol)
-            compiled: dict[int | None, CompiledLibrary] = {}
-            for size in wanted if tokens is not None else (None,):
-                if (key, size) not in done:
-                    start = time.perf_counter()
-                    if size is None:
-                        inputs, mode = examples, detect_fake_mode(examples)
-                    else:
-                        inputs, mode = _static_examples(examples, token_symbol, size)
-                    stored = piece_cache_key(graph, inputs) if cache is not None else None
-                    hit = cache.get(stored) if stored is not None else None
-                    if hit is None:
-                        done[key, size] = compile_library(copy.deepcopy(graph), inputs, mode)
-                        counters["pieces_compiled"] += 1
-                        if stored is not None:
-                            cache.put(stored, done[key, size])
-                    else:
-                        done[key, size] = hit
-                        counters["pieces_cached"] += 1
-                    logger.info("%s %s %s (%s) in %.2fs", "reused" if hit else "compiled", piece.name,
-                                "dynamic" if size is None else f"size {size}", key[:12], time.perf_counter() - start)
-                    bar.update()
-                else:
-                    counters["pieces_reused"] += 1
-                compiled[size] = done[key, size]
-            token_args = tuple(i for i, v in enumerate(examples)
-                               if isinstance(v, torch.Tensor) and v.dim() and str(v.shape[0]) == token_symbol)
-            builds[piece.name] = PieceBuild(compiled, tokens, _returns_tuple(piece.graph), tensor_args(examples),
-                                            token_args)
+    with tqdm(total=len(jobs), desc="kiln compile", unit="graph", disable=disable) as bar:
+        for i, compiled, seconds in compile_jobs(jobs):
+            key, size, stored, label = job_of[i]
+            done[key, size] = compiled
+            counters["pieces_compiled"] += 1
+            if stored is not None:
+                cache.put(stored, compiled)
+            logger.info("compiled %s in %.2fs", label, seconds)
+            bar.update()
+    builds: dict[str, PieceBuild] = {}
+    for (piece, examples, tokens, piece_sizes), key in zip(plans, keys):
+        token_args = tuple(i for i, v in enumerate(examples)
+                           if isinstance(v, torch.Tensor) and v.dim() and str(v.shape[0]) == token_symbol)
+        builds[piece.name] = PieceBuild({size: done[key, size] for size in piece_sizes}, tokens,
+                                        _returns_tuple(piece.graph), tensor_args(examples), token_args)
     return builds
 
 
@@ -299,6 +309,8 @@ def build_artifact(
                 logger.info("compiling: %s", e)
         timings: dict[str, float] = {}
         before = counters.copy()
+        if next(model.parameters()).device.type == "cpu":
+            probe_cpu_in_background()
         start = time.perf_counter()
         if dump_dir is not None:
             import depyf
