@@ -85,5 +85,6 @@ def model_factors(model: CausalLM, compile_config: CompileConfig, passes: Sequen
     """The key factors of a built (and possibly quantized) model compiled with kiln's passes and the
     user's `passes`: what `LLM` looks up and the compiler writes under."""
     uuids = PassManager(compile_config.passes, passes).uuids()
+    device = next(model.parameters()).device.type  # "cuda", not "cuda:1": the GPU's kind is in system_info
     return key_factors(model.config, model.dtype, compile_config, getattr(model, "quantization", None), uuids,
-                       tensor_parallel_size=model.layout.world_size)
+                       device=device, tensor_parallel_size=model.layout.world_size)
