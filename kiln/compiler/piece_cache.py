@@ -5,10 +5,11 @@ pieces another artifact already built: the same model with another static size, 
 leaves most layers alone, the same checkpoint in another cache directory. An entry is keyed by the
 piece's normalized code, its example inputs (dtypes, devices, shapes and strides with symbols
 renamed in order of appearance, and each symbol's value range), torch's build, Inductor's config and
-kiln's compiler sources; it holds the library, its op-call table and its C++ source.
+kiln's compiler sources; it holds the library, its op-call table, their sha256 and the C++ source.
 
 Entries live in `<cache>/pieces/<key>/` (`$KILN_PIECE_CACHE` moves them; `off` turns the cache
-off). Each appears in one `os.replace`; a damaged one reads as a miss.
+off). Each appears in one `os.replace`; a damaged one (a checksum that does not match) is removed
+and compiled again.
 """
 
 import hashlib
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 ENV = "KILN_PIECE_CACHE"
 FOLDER = "pieces"
-_LIBRARY, _CALLS, _SOURCES = "library.so", "calls.json", "sources.json"
+_LIBRARY, _CALLS, _ENTRY = "library.so", "calls.json", "entry.json"
 _SYMBOL = re.compile(r"\b[su]\d+\b")
 
 
@@ -95,6 +96,10 @@ def piece_cache_key(graph: fx.GraphModule, examples: list) -> str:
     return hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:32]
 
 
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def _bytes(value) -> bytes:
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
@@ -118,20 +123,24 @@ class PieceCache:
         return PieceCache(Path(where).expanduser() if where else Path(cache_dir) / FOLDER, read)
 
     def get(self, key: str) -> CompiledLibrary | None:
+        """The entry, or None if there is none or it is damaged (then it is removed, to be rewritten)."""
         if not self.read:
             return None
         entry = self.root / key
-        try:
-            library = (entry / _LIBRARY).read_bytes()
-            calls = (entry / _CALLS).read_bytes() if (entry / _CALLS).is_file() else None
-            sources = json.loads((entry / _SOURCES).read_text())
-        except (OSError, ValueError):
+        if not entry.is_dir():
             return None
         try:
+            meta = json.loads((entry / _ENTRY).read_text())
+            library = (entry / _LIBRARY).read_bytes()
+            calls = (entry / _CALLS).read_bytes() if meta["calls"] is not None else None
+            if _sha(library) != meta["library"] or (calls is not None and _sha(calls) != meta["calls"]):
+                raise ValueError("checksum mismatch")
             os.utime(entry)  # a hit is a use: prune by age keeps what is used
-        except OSError:
-            pass
-        return CompiledLibrary(library, calls, sources)
+            return CompiledLibrary(library, calls, meta["sources"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            logger.warning("compiled piece %s in %s is damaged (%s): compiling it again", key[:12], self.root, e)
+            shutil.rmtree(entry, ignore_errors=True)
+            return None
 
     def entries(self) -> list[tuple[Path, float, int]]:
         """(folder, last use, bytes) of each entry and each leftover of a killed write."""
@@ -155,7 +164,9 @@ class PieceCache:
             (tmp / _LIBRARY).write_bytes(compiled.library)
             if compiled.calls is not None:
                 (tmp / _CALLS).write_bytes(compiled.calls)
-            (tmp / _SOURCES).write_text(json.dumps(compiled.sources))
+            meta = {"library": _sha(compiled.library), "calls": None if compiled.calls is None else _sha(compiled.calls),
+                    "sources": compiled.sources}
+            (tmp / _ENTRY).write_text(json.dumps(meta))
             if entry.exists() and not self.read:  # --force: the new compile replaces the old
                 shutil.rmtree(entry, ignore_errors=True)
             if not entry.exists():  # else a concurrent compile of the same piece stored it first

@@ -59,8 +59,14 @@ def test_entries_round_trip_and_damage_reads_as_a_miss(tmp_path):
     assert cache.get("k" * 32) == _library(b"one")
     PieceCache(tmp_path, read=False).put("k" * 32, _library(b"two"))  # --force: the new compile replaces it
     assert cache.get("k" * 32) == _library(b"two") and PieceCache(tmp_path, read=False).get("k" * 32) is None
-    (tmp_path / ("k" * 32) / "sources.json").write_text("{trunc")
+    library = tmp_path / ("k" * 32) / "library.so"
+    library.write_bytes(library.read_bytes()[:-1] + b"!")  # one byte flipped
+    assert cache.get("k" * 32) is None and not (tmp_path / ("k" * 32)).exists()  # removed, to be written again
+    cache.put("k" * 32, _library(b"one"))
+    (tmp_path / ("k" * 32) / "entry.json").write_text("{trunc")
     assert cache.get("k" * 32) is None
+    cache.put("k" * 32, _library(b"one"))
+    assert cache.get("k" * 32) == _library(b"one")
     calls_free = CompiledLibrary(b"lib", None, {})
     cache.put("c" * 32, calls_free)
     assert cache.get("c" * 32) == calls_free
