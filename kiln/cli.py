@@ -363,7 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Trace the model's decoder once, split it at attention, compile each unique "
                           "piece with AOTInductor and save one artifact (program, compiled piece libraries) "
                           "under the cache directory. Prints a table of stage timings and the artifact path. "
-                          "An artifact already present and valid is reused.")
+                          "An artifact already present and valid is reused; so is any piece already compiled "
+                          "for another artifact ($KILN_PIECE_CACHE, default CACHE_DIR/pieces; 'off' disables). "
+                          "Unique pieces compile side by side in $KILN_COMPILE_WORKERS forked processes "
+                          "(default: one per core; CPU only).")
     comp.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model directory (config.json, "
                       "*.safetensors); only its config is read")
     comp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="activations dtype "
