@@ -1,6 +1,6 @@
 """The CUDA path's checks and timings in one run (issue 9's "on a GPU" list).
 
-    python benchmarks/cuda.py [--device cuda] [--dtype bfloat16] [--out results.json] [--skip-kernels]
+    python benchmarks/gpu_checks.py [--device cuda] [--dtype bfloat16] [--out results.json] [--skip-kernels]
 
 1. agreement: on each demo architecture (random weights), compiled + piecewise CUDA graphs vs eager:
    greedy tokens and their logprobs for the test prompts (bf16 tolerance: same tokens up to the
