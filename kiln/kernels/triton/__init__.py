@@ -8,13 +8,14 @@ interpreter when it decorates a kernel).
 
 import torch
 
+from kiln.kernels.triton import ops  # noqa: F401  (defines torch.ops.kiln_triton, which a library may call)
 from kiln.kernels.triton.activation import silu_and_mul_triton
 from kiln.kernels.triton.attention import attention_quant_triton, attention_triton
 from kiln.kernels.triton.norm import fused_add_rms_norm_triton, rms_norm_triton
 from kiln.kernels.triton.rope_kv_cache import rotary_embedding_kv_cache_write_triton
 
-__all__ = ["attention_quant_triton", "attention_triton", "fused_add_rms_norm_triton", "register", "rms_norm_triton", "rotary_embedding_kv_cache_write_triton",
-           "silu_and_mul_triton"]
+__all__ = ["attention_quant_triton", "attention_triton", "fused_add_rms_norm_triton", "register", "rms_norm_triton",
+           "rotary_embedding_kv_cache_write_triton", "silu_and_mul_triton"]
 
 
 def register() -> None:
