@@ -30,8 +30,8 @@ from kiln.compiler.key import cache_key, model_factors
 from kiln.compiler.piece_cache import PieceCache, piece_cache_key
 from kiln.compiler.program import arg_names
 from kiln.compiler.split import Piece, split_graph, stitching_source
-from kiln.compiler.workers import CompileJob, compile_jobs, probe_cpu_in_background
 from kiln.compiler.trace import TracedBackbone, trace_backbone
+from kiln.compiler.workers import CompileJob, compile_jobs, probe_cpu_in_background
 from kiln.config import CompileConfig, dtype_name
 from kiln.models.llama import CausalLM
 from kiln.passes import GraphPass, PassManager
