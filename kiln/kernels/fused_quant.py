@@ -13,12 +13,25 @@ from kiln.kernels.norm import fused_add_rms_norm_native, rms_norm_native
 from kiln.kernels.quant import quant_fake, quant_native
 
 
+def rms_norm_quant_native(x, weight, eps, quant_dtype, scale=None):
+    return quant_native(rms_norm_native(x, weight, eps), scale, quant_dtype)
+
+
+def fused_add_rms_norm_quant_native(x, residual, weight, eps, quant_dtype, scale=None):
+    normed, new_residual = fused_add_rms_norm_native(x, residual, weight, eps)
+    return (*quant_native(normed, scale, quant_dtype), new_residual)
+
+
+def silu_and_mul_quant_native(x, quant_dtype, scale=None):
+    return quant_native(silu_and_mul_native(x), scale, quant_dtype)
+
+
 @torch.library.custom_op("kiln::rms_norm_quant", mutates_args=())
 def rms_norm_quant(
     x: torch.Tensor, weight: torch.Tensor, eps: float, quant_dtype: torch.dtype, scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """quant(rms_norm(x)) -> (quantized [T, K], fp32 scale)."""
-    return quant_native(rms_norm_native(x, weight, eps), scale, quant_dtype)
+    return rms_norm_quant_native(x, weight, eps, quant_dtype, scale)
 
 
 @rms_norm_quant.register_fake
@@ -36,9 +49,7 @@ def fused_add_rms_norm_quant(
     scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`residual = x + residual; return quant(rms_norm(residual)), residual` -> (q, scale, residual)."""
-    normed, new_residual = fused_add_rms_norm_native(x, residual, weight, eps)
-    q, s = quant_native(normed, scale, quant_dtype)
-    return q, s, new_residual
+    return fused_add_rms_norm_quant_native(x, residual, weight, eps, quant_dtype, scale)
 
 
 @fused_add_rms_norm_quant.register_fake
@@ -51,7 +62,7 @@ def silu_and_mul_quant(
     x: torch.Tensor, quant_dtype: torch.dtype, scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """quant(silu(x[..., :d]) * x[..., d:]) -> (quantized [T, d], fp32 scale)."""
-    return quant_native(silu_and_mul_native(x), scale, quant_dtype)
+    return silu_and_mul_quant_native(x, quant_dtype, scale)
 
 
 @silu_and_mul_quant.register_fake

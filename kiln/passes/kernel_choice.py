@@ -19,8 +19,9 @@ import torch
 from torch import fx
 
 from kiln.kernels.activation import silu_and_mul_native
+from kiln.kernels.fused_quant import (fused_add_rms_norm_quant_native, rms_norm_quant_native,
+                                     silu_and_mul_quant_native)
 from kiln.kernels.norm import fused_add_rms_norm_native, rms_norm_native
-from kiln.kernels.quant import quant_native
 
 logger = logging.getLogger(__name__)
 
@@ -28,19 +29,13 @@ MAX_MEASURED_TOKENS = 4096
 """The largest token count measured: a range's upper bound is clipped to it."""
 
 
-def _fused_add_quant(x, residual, weight, eps, quant_dtype, scale=None):
-    normed, new_residual = fused_add_rms_norm_native(x, residual, weight, eps)
-    return (*quant_native(normed, scale, quant_dtype), new_residual)
-
-
 NATIVE: dict[str, Callable] = {
     "rms_norm": rms_norm_native,
     "fused_add_rms_norm": fused_add_rms_norm_native,
-    "rms_norm_quant": lambda x, weight, eps, quant_dtype, scale=None: quant_native(
-        rms_norm_native(x, weight, eps), scale, quant_dtype),
-    "fused_add_rms_norm_quant": _fused_add_quant,
+    "rms_norm_quant": rms_norm_quant_native,
+    "fused_add_rms_norm_quant": fused_add_rms_norm_quant_native,
     "silu_and_mul": silu_and_mul_native,
-    "silu_and_mul_quant": lambda x, quant_dtype, scale=None: quant_native(silu_and_mul_native(x), scale, quant_dtype),
+    "silu_and_mul_quant": silu_and_mul_quant_native,
 }
 """Each op with a Triton twin -> its native form: what Inductor compiles when the op is lowered."""
 

@@ -11,6 +11,8 @@ import torch
 from torch import fx
 
 from kiln.kernels.activation import silu_and_mul_native
+from kiln.kernels.fused_quant import (fused_add_rms_norm_quant_native, rms_norm_quant_native,
+                                     silu_and_mul_quant_native)
 from kiln.kernels.norm import fused_add_rms_norm_native, rms_norm_native
 from kiln.kernels.quant import quant_native
 from kiln.kernels.rotary import rotary_embedding_native
@@ -45,32 +47,29 @@ def _quantized(kind: QuantKind) -> list[Pattern]:
     """The plain quant op and the three fused ones, for one quantization kind."""
     x, res, w, gate_up, s = torch.empty(4, 16), torch.empty(4, 16), torch.empty(16), torch.empty(4, 32), torch.empty(1)
     d = kind.dtype
-
-    def fused_add(x, residual, weight, eps, scale=None):
-        normed, new_residual = fused_add_rms_norm_native(x, residual, weight, eps)
-        return (*quant_native(normed, scale, d), new_residual)
-
     if kind.static:
         return [
             Pattern(lambda x, scale: kind.op(x, scale), lambda x, scale: quant_native(x, scale, d), [x, s]),
             Pattern(lambda x, weight, scale, eps: ops.rms_norm_quant(x, weight, eps, d, scale),
-                    lambda x, weight, scale, eps: quant_native(rms_norm_native(x, weight, eps), scale, d),
+                    lambda x, weight, scale, eps: rms_norm_quant_native(x, weight, eps, d, scale),
                     [x, w, s], EPS),
             Pattern(lambda x, residual, weight, scale, eps: ops.fused_add_rms_norm_quant(x, residual, weight, eps, d,
                                                                                          scale),
-                    lambda x, residual, weight, scale, eps: fused_add(x, residual, weight, eps, scale),
+                    lambda x, residual, weight, scale, eps: fused_add_rms_norm_quant_native(x, residual, weight, eps,
+                                                                                            d, scale),
                     [x, res, w, s], EPS),
             Pattern(lambda x, scale: ops.silu_and_mul_quant(x, d, scale),
-                    lambda x, scale: quant_native(silu_and_mul_native(x), scale, d), [gate_up, s]),
+                    lambda x, scale: silu_and_mul_quant_native(x, d, scale), [gate_up, s]),
         ]
     return [
         Pattern(lambda x: kind.op(x, None), lambda x: quant_native(x, None, d), [x]),
         Pattern(lambda x, weight, eps: ops.rms_norm_quant(x, weight, eps, d, None),
-                lambda x, weight, eps: quant_native(rms_norm_native(x, weight, eps), None, d), [x, w], EPS),
+                lambda x, weight, eps: rms_norm_quant_native(x, weight, eps, d), [x, w], EPS),
         Pattern(lambda x, residual, weight, eps: ops.fused_add_rms_norm_quant(x, residual, weight, eps, d, None),
-                lambda x, residual, weight, eps: fused_add(x, residual, weight, eps), [x, res, w], EPS),
+                lambda x, residual, weight, eps: fused_add_rms_norm_quant_native(x, residual, weight, eps, d),
+                [x, res, w], EPS),
         Pattern(lambda x: ops.silu_and_mul_quant(x, d, None),
-                lambda x: quant_native(silu_and_mul_native(x), None, d), [gate_up]),
+                lambda x: silu_and_mul_quant_native(x, d), [gate_up]),
     ]
 
 
