@@ -10,10 +10,8 @@ artifact, alternating them three times in one process (best median each).
 """
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -21,21 +19,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kiln.kernels  # noqa: E402,F401
-from harness import decode_step_seconds, emit, machine  # noqa: E402  (benchmarks/ is the script's dir)
+from harness import decode_step_seconds, emit, machine, median_seconds  # noqa: E402  (benchmarks/ is the script's dir)
 
 ops = torch.ops.kiln
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 896, 4864, 14, 2, 64
-
-
-def _median_seconds(fn, repeats: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def op_pairs(tokens: int) -> dict[str, tuple]:
@@ -78,7 +65,7 @@ def ops_benchmark(token_counts: list[int]) -> dict:
     results = {}
     for tokens in token_counts:
         for name, (unfused, fused) in op_pairs(tokens).items():
-            u, f = _median_seconds(unfused), _median_seconds(fused)
+            u, f = median_seconds(unfused), median_seconds(fused)
             results[f"{name}@{tokens}"] = {"unfused_us": round(u * 1e6, 1), "fused_us": round(f * 1e6, 1),
                                            "speedup": round(u / f, 3)}
             print(f"{name:<40} tokens {tokens:<5} unfused {u * 1e6:9.1f} us  fused {f * 1e6:9.1f} us  "

@@ -17,11 +17,9 @@ On a CPU (`--device cpu`) it runs the same steps without graphs or Triton: a smo
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -29,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from harness import decode_step_seconds, emit, machine  # noqa: E402  (benchmarks/ is the script's dir)
+from harness import decode_step_seconds, emit, machine, median_seconds  # noqa: E402  (benchmarks/ is the script's dir)
 
 from kiln import LLM, SamplingParams  # noqa: E402
 from kiln.models.demo import DEMO_ARCHS, write_demo_model  # noqa: E402
@@ -91,26 +89,14 @@ def decode_batch1(work: Path, device: str, dtype: str, steps: int) -> dict:
 def fused_ops(device: str, token_counts: list[int]) -> dict:
     from fusions import op_pairs  # noqa: E402
 
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-
-    def median_us(fn, repeats: int = 200) -> float:
-        for _ in range(10):
-            fn()
-        times = []
-        for _ in range(repeats):
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times) * 1e6
+    sync = torch.cuda.synchronize if device.startswith("cuda") else None
 
     results = {}
     for tokens in token_counts:
         with torch.device(device):
             pairs = op_pairs(tokens)
         for name, (unfused, fused) in pairs.items():
-            u, f = median_us(unfused), median_us(fused)
+            u, f = median_seconds(unfused, sync=sync) * 1e6, median_seconds(fused, sync=sync) * 1e6
             results[f"{name}@{tokens}"] = {"unfused_us": round(u, 1), "fused_us": round(f, 1), "speedup": round(u / f, 3)}
             print(f"{name:<40} tokens {tokens:<5} unfused {u:9.1f} us  fused {f:9.1f} us  {u / f:5.2f}x", flush=True)
     return results

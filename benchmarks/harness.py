@@ -13,6 +13,22 @@ def machine() -> dict:
             "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
+def median_seconds(fn, repeats: int = 200, sync=None) -> float:
+    """Median wall time of `fn()` after a warm-up; `sync` (torch.cuda.synchronize on a GPU) runs
+    around each call so the time covers the work, not just its launch."""
+    sync = sync or (lambda: None)
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def decode_step_seconds(llm, batch: int, steps: int, prompt_len: int = 32, vocab: int = 1000) -> float:
     """Median wall time of one engine step with `batch` sequences decoding (the prefill step excluded)."""
     from kiln import SamplingParams
