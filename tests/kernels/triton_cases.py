@@ -171,6 +171,19 @@ def test_paged_attention_quant(quant):
     _close(got_q, want_q, torch.float32)
 
 
+def test_paged_attention_more_sequences_than_one_chunk():
+    """A program finds its sequence by scanning query_start_loc 128 sequences at a time: 130 sequences
+    (prefills at both ends) take two chunks."""
+    from kiln.kernels.attention import attention_native
+    from kiln.kernels.triton.attention import attention_triton
+
+    shape = [(3, 5)] + [(1, 2 + i % 5) for i in range(128)] + [(4, 6)]
+    query, cache, starts, lens, tables = _paged_batch(2, 1, 16, torch.float32, shape, blocks=400)
+    want = attention_native(query, cache, starts, lens, tables, 0.25, 0)
+    got = attention_triton(query, cache, cache.new_empty(0), starts, lens, tables, 0.25, 0)
+    _close(got, want, torch.float32)
+
+
 def test_paged_attention_no_tokens():
     from kiln.kernels.triton.attention import attention_triton
 

@@ -8,6 +8,11 @@ softmax, so the [tokens, context] scores are never stored. The sequence of a pro
 `query_start_loc` on the GPU: sequence s owns programs from `query_start_loc[s] // BLOCK_Q + s` on,
 which over-counts by at most one block per sequence (the extra programs return at once) and needs
 no copy of the batch layout to the host, so the launch can sit inside a CUDA graph.
+
+Triton compiles one binary per specialization of the arguments. The ints that change from batch to
+batch (sequence count, block-table width) and the serve-time settings (block size, window) are not
+specialized, so a model needs two binaries per op form (decodes, prefills), all of them built by
+`kiln compile` and shipped in the artifact (`kiln.compiler.triton_cache`).
 """
 
 import os
@@ -21,19 +26,22 @@ from kiln.kernels.quant import FP8_MAX, INT8_MAX
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "block_size", "bt_stride", "window"])
 def _paged_attention_kernel(
-    q_ptr, cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, out_scale_ptr,
-    num_seqs, group, kv_heads, head_dim, block_size, cache_half, bt_stride, q_stride_t, q_stride_h,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, out_scale_ptr,
+    num_seqs, group, kv_heads, head_dim, block_size, bt_stride, q_stride_t, q_stride_h,
     scale_log2, window,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DIM: tl.constexpr, SEQS: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DIM: tl.constexpr, SEQ_CHUNK: tl.constexpr,
     QUANT: tl.constexpr, IS_INT8: tl.constexpr, QMAX: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    s = tl.arange(0, SEQS)
-    firsts = tl.load(qsl_ptr + s, mask=s < num_seqs, other=1 << 30) // BLOCK_Q + s
-    seq = tl.sum((firsts <= b).to(tl.int32), axis=0) - 1
+    owners = 0  # sequences whose first program is at or before this one: this one's sequence is the last
+    for c in range(0, num_seqs, SEQ_CHUNK):
+        s = c + tl.arange(0, SEQ_CHUNK)
+        firsts = tl.load(qsl_ptr + s, mask=s < num_seqs, other=1 << 30) // BLOCK_Q + s
+        owners += tl.sum((firsts <= b).to(tl.int32), axis=0)
+    seq = owners - 1
     q_start = tl.load(qsl_ptr + seq)
     q_end = tl.load(qsl_ptr + seq + 1)
     t0 = q_start + (b - (q_start // BLOCK_Q + seq)) * BLOCK_Q
@@ -48,7 +56,7 @@ def _paged_attention_kernel(
         d = tl.arange(0, DIM)
         dims = d < head_dim
         q = tl.load(q_ptr + tok[:, None] * q_stride_t + head[:, None] * q_stride_h + d[None, :],
-                    mask=rows[:, None] & dims[None, :], other=0.0).to(cache_ptr.dtype.element_ty)
+                    mask=rows[:, None] & dims[None, :], other=0.0).to(k_cache_ptr.dtype.element_ty)
         if UPCAST:
             q = q.to(tl.float32)
         m = tl.full([BLOCK_Q * GROUP], float("-inf"), tl.float32)
@@ -62,8 +70,8 @@ def _paged_attention_kernel(
             block = tl.load(bt_ptr + seq * bt_stride + j // block_size, mask=keys, other=0).to(tl.int64)
             offs = (block * block_size + j % block_size)[:, None] * (kv_heads * head_dim) + h * head_dim + d[None, :]
             kv_mask = keys[:, None] & dims[None, :]
-            k = tl.load(cache_ptr + offs, mask=kv_mask, other=0.0)
-            v = tl.load(cache_ptr + cache_half + offs, mask=kv_mask, other=0.0)
+            k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
             if UPCAST:
                 k, v = k.to(tl.float32), v.to(tl.float32)
             if IEEE:
@@ -95,14 +103,14 @@ def _paged_attention_kernel(
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=keep)
 
 
-def _launch(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-            block_tables: torch.Tensor, scale: float, sliding_window: int, out: torch.Tensor,
-            out_scale: torch.Tensor | None) -> None:
+def launch_arguments(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, sliding_window: int,
+                     out: torch.Tensor, out_scale: torch.Tensor | None) -> tuple[tuple, tuple, dict]:
+    """(grid, arguments, constexprs) of one launch: what the op launches, and what tests compile
+    for a GPU they do not have."""
     tokens, q_heads, head_dim = query.shape
     kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     num_seqs = seq_lens.shape[0]
-    if tokens == 0 or num_seqs == 0:
-        return
     assert query.stride(-1) == 1 and kv_cache.is_contiguous() and block_tables.stride(-1) == 1
     group = q_heads // kv_heads
     group_pad = triton.next_power_of_2(group)
@@ -112,15 +120,25 @@ def _launch(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.
     grid = (tokens // block_q + num_seqs, kv_heads)
     quant = out_scale is not None
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # its tl.dot misreads bf16 operands: use fp32 there
-    _paged_attention_kernel[grid](
-        query, kv_cache, out, query_start_loc, seq_lens, block_tables, out_scale if quant else out,
-        num_seqs, group, kv_heads, head_dim, block_size, kv_cache[0].numel(), block_tables.stride(0),
-        query.stride(0), query.stride(1), scale * _LOG2E, sliding_window,
-        GROUP=group_pad, BLOCK_Q=block_q, BLOCK_N=32, DIM=max(triton.next_power_of_2(head_dim), 16),
-        SEQS=triton.next_power_of_2(num_seqs), QUANT=quant, IS_INT8=out.dtype == torch.int8,
-        QMAX=INT8_MAX if out.dtype == torch.int8 else float(FP8_MAX), IEEE=kv_cache.dtype == torch.float32 or interpreted,
-        UPCAST=interpreted,
+    args = (query, kv_cache[0], kv_cache[1], out, query_start_loc, seq_lens, block_tables, out_scale if quant else out,
+            num_seqs, group, kv_heads, head_dim, block_size, block_tables.stride(0), query.stride(0), query.stride(1),
+            scale * _LOG2E, sliding_window)
+    constexprs = dict(
+        GROUP=group_pad, BLOCK_Q=block_q, BLOCK_N=32, DIM=max(triton.next_power_of_2(head_dim), 16), SEQ_CHUNK=128,
+        QUANT=quant, IS_INT8=out.dtype == torch.int8, QMAX=INT8_MAX if out.dtype == torch.int8 else float(FP8_MAX),
+        IEEE=kv_cache.dtype == torch.float32 or interpreted, UPCAST=interpreted,
     )
+    return grid, args, constexprs
+
+
+def _launch(query: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+            block_tables: torch.Tensor, scale: float, sliding_window: int, out: torch.Tensor,
+            out_scale: torch.Tensor | None) -> None:
+    if query.shape[0] == 0 or seq_lens.shape[0] == 0:
+        return
+    grid, args, constexprs = launch_arguments(query, kv_cache, query_start_loc, seq_lens, block_tables, scale,
+                                              sliding_window, out, out_scale)
+    _paged_attention_kernel[grid](*args, **constexprs)
 
 
 def attention_triton(query: torch.Tensor, kv_cache: torch.Tensor, write_done: torch.Tensor,

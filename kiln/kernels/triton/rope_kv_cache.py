@@ -30,8 +30,8 @@ def _rotate_rows(src_ptr, dst_ptr, heads, pos_cs_ptr, half, head_dim,
 
 
 @triton.jit
-def _rope_kv_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, q_out_ptr, k_tmp_ptr, cache_ptr, slot_ptr,
-                    q_heads, kv_heads, head_dim, half, cache_half, q_stride, k_stride, v_stride,
+def _rope_kv_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, q_out_ptr, k_tmp_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                    q_heads, kv_heads, head_dim, half, q_stride, k_stride, v_stride,
                     IS_NEOX: tl.constexpr, QH: tl.constexpr, KH: tl.constexpr, HALF: tl.constexpr,
                     DIM: tl.constexpr):
     t = tl.program_id(0)
@@ -46,10 +46,10 @@ def _rope_kv_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, q_out_ptr, k_tmp_ptr, 
         h = tl.arange(0, KH)[:, None]
         d = tl.arange(0, DIM)[None, :]
         m = (h < kv_heads) & (d < head_dim)
-        dst = cache_ptr + slot * kv_heads * head_dim + h * head_dim + d
-        tl.store(dst, tl.load(row + h * head_dim + d, mask=m).to(cache_ptr.dtype.element_ty), mask=m)
+        at = slot * kv_heads * head_dim + h * head_dim + d
+        tl.store(k_cache_ptr + at, tl.load(row + h * head_dim + d, mask=m).to(k_cache_ptr.dtype.element_ty), mask=m)
         v = tl.load(v_ptr + t * v_stride + h * head_dim + d, mask=m)
-        tl.store(dst + cache_half, v.to(cache_ptr.dtype.element_ty), mask=m)
+        tl.store(v_cache_ptr + at, v.to(v_cache_ptr.dtype.element_ty), mask=m)
 
 
 def rotary_embedding_kv_cache_write_triton(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
@@ -58,15 +58,26 @@ def rotary_embedding_kv_cache_write_triton(positions: torch.Tensor, query: torch
     """-> (rotated query, the ordering token), like the native op; `kv_cache` [2, blocks, block, heads, dim]."""
     tokens, q_heads, head_dim = query.shape
     kv_heads = key.shape[1]
-    half = cos_sin_cache.shape[-1] // 2
     q_out = torch.empty(tokens, q_heads, head_dim, dtype=query.dtype, device=query.device)
     k_tmp = torch.empty(tokens, kv_heads, head_dim, dtype=key.dtype, device=key.device)
     for x in (query, key, value):
         assert x.stride(-1) == 1 and x.stride(-2) == head_dim, "rows of whole heads, as the projections give"
     if tokens:
-        _rope_kv_kernel[(tokens,)](
-            positions, query, key, value, cos_sin_cache, q_out, k_tmp, kv_cache, slot_mapping,
-            q_heads, kv_heads, head_dim, half, kv_cache[0].numel(), query.stride(0), key.stride(0), value.stride(0),
-            IS_NEOX=is_neox, QH=triton.next_power_of_2(q_heads), KH=triton.next_power_of_2(kv_heads),
-            HALF=triton.next_power_of_2(half), DIM=triton.next_power_of_2(head_dim))
+        grid, args, constexprs = launch_arguments(positions, query, key, value, cos_sin_cache, is_neox, kv_cache,
+                                                  slot_mapping, q_out, k_tmp)
+        _rope_kv_kernel[grid](*args, **constexprs)
     return q_out, kv_cache.new_empty(0)
+
+
+def launch_arguments(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, is_neox: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                     q_out: torch.Tensor, k_tmp: torch.Tensor) -> tuple[tuple, tuple, dict]:
+    """(grid, arguments, constexprs) of one launch. Nothing here varies with the batch but the
+    grid, so a model needs one binary (per rotary style)."""
+    tokens, q_heads, head_dim = query.shape
+    kv_heads, half = key.shape[1], cos_sin_cache.shape[-1] // 2
+    args = (positions, query, key, value, cos_sin_cache, q_out, k_tmp, kv_cache[0], kv_cache[1], slot_mapping,
+            q_heads, kv_heads, head_dim, half, query.stride(0), key.stride(0), value.stride(0))
+    constexprs = dict(IS_NEOX=is_neox, QH=triton.next_power_of_2(q_heads), KH=triton.next_power_of_2(kv_heads),
+                      HALF=triton.next_power_of_2(half), DIM=triton.next_power_of_2(head_dim))
+    return (tokens,), args, constexprs

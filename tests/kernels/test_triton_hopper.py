@@ -1,0 +1,89 @@
+"""kiln's Python-launched Triton kernels compile for an H100 (sm_90) at real model sizes.
+
+No GPU needed: Triton's NVIDIA backend compiles to a cubin with the ptxas its wheel carries. The
+interpreter tests (`triton_cases.py`) check the numbers on tiny shapes; this checks what only a real
+compile sees: tl.dot's tile limits, layouts, shared memory at head dim 128 and big GQA groups. The
+arguments are the launch's own (`launch_arguments`), built from meta tensors, so no memory is used.
+"""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+pytest.importorskip("triton.backends.nvidia")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kiln.kernels.triton import attention, rope_kv_cache  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+SHARED_LIMIT = 227 * 1024  # an H100 block's dynamic shared memory
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+         torch.int64: "i64", torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv"}
+
+
+def compile_for_hopper(kernel, args: tuple, constexprs: dict):
+    """Compile `kernel` for sm_90 as its launch would, marking what the JIT marks 16-divisible
+    (pointers, and ints it specializes whose value is a multiple of 16)."""
+    names = [p.name for p in kernel.params if not p.is_constexpr]
+    unspecialized = set(kernel.do_not_specialize)
+    signature, attrs = {}, {}
+    for i, (name, value) in enumerate(zip(names, args)):
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + TYPES[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32"
+            if value % 16 == 0 and name not in unspecialized:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32"
+    signature |= {name: "constexpr" for name in constexprs}
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER)
+
+
+def _batch(tokens, num_seqs, q_heads, kv_heads, dim, dtype):
+    meta = dict(device="meta")
+    return (torch.empty(tokens, q_heads, dim, dtype=dtype, **meta),
+            torch.empty(2, 1000, 16, kv_heads, dim, dtype=dtype, **meta),
+            torch.empty(num_seqs + 1, dtype=torch.int32, **meta), torch.empty(num_seqs, dtype=torch.int32, **meta),
+            torch.empty(num_seqs, 37, dtype=torch.int32, **meta))
+
+
+@pytest.mark.parametrize("heads", [(32, 8, 128), (64, 8, 128), (14, 2, 64), (16, 16, 128)],
+                         ids=["llama-8b", "llama-70b", "qwen2-0.5b", "mha"])
+@pytest.mark.parametrize("batch", [(8, 8), (300, 3)], ids=["decodes", "prefills"])
+def test_paged_attention_compiles_for_hopper(heads, batch):
+    query, cache, starts, lens, tables = _batch(*batch, *heads, torch.bfloat16)
+    out = torch.empty_like(query)
+    _, args, constexprs = attention.launch_arguments(query, cache, starts, lens, tables, 0.1, 0, out, None)
+    kernel = compile_for_hopper(attention._paged_attention_kernel, args, constexprs)
+    assert "cubin" in kernel.asm and kernel.metadata.shared <= SHARED_LIMIT
+
+
+@pytest.mark.parametrize("quant_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_paged_attention_quant_compiles_for_hopper(quant_dtype):
+    query, cache, starts, lens, tables = _batch(300, 3, 32, 8, 128, torch.bfloat16)
+    out = torch.empty(300, 32 * 128, dtype=quant_dtype, device="meta")
+    scale = torch.empty(1, 1, device="meta")
+    _, args, constexprs = attention.launch_arguments(query, cache, starts, lens, tables, 0.1, 4096, out, scale)
+    kernel = compile_for_hopper(attention._paged_attention_kernel, args, constexprs)
+    assert "cubin" in kernel.asm and kernel.metadata.shared <= SHARED_LIMIT
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_rope_kv_cache_write_compiles_for_hopper(is_neox):
+    tokens, q_heads, kv_heads, dim = 64, 32, 8, 128
+    qkv = torch.empty(tokens, (q_heads + 2 * kv_heads) * dim, dtype=torch.bfloat16, device="meta")
+    q, k, v = qkv.split([q_heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.view(tokens, q_heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+    cache = torch.empty(2, 1000, 16, kv_heads, dim, dtype=torch.bfloat16, device="meta")
+    positions = torch.empty(tokens, dtype=torch.int64, device="meta")
+    cos_sin = torch.empty(8192, dim, dtype=torch.bfloat16, device="meta")
+    _, args, constexprs = rope_kv_cache.launch_arguments(positions, q, k, v, cos_sin, is_neox, cache, positions,
+                                                         torch.empty_like(q), torch.empty_like(k))
+    kernel = compile_for_hopper(rope_kv_cache._rope_kv_kernel, args, constexprs)
+    assert "cubin" in kernel.asm and kernel.metadata.shared <= SHARED_LIMIT
