@@ -6,6 +6,8 @@
   programs/<i>.py  variant i's stitching code (plain Python calling pieces and attention in order)
   blobs/<sha>.so   one per unique compiled piece and size: AOTInductor's library, kernels inside
   blobs/<sha>.json the custom-op calls that library makes (torch's runner reads it beside the .so)
+  kernels/triton/  CUDA: the Triton kernels the program launches from Python (attention, RoPE + KV
+                   write), built at compile time (`triton_cache.py`) and put into Triton's cache at load
   debug/           what was compiled, as text: Dynamo's bytecode (depyf-decompiled) and graph, the
                    graphs before and after the passes, each piece, each library's generated C++
                    (`kiln cache dump` reads them)
@@ -45,6 +47,7 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 PROGRAMS = "programs"
+TRITON_KERNELS = "kernels/triton"
 RECOMPILE = "run `kiln compile` again"
 
 
@@ -152,7 +155,7 @@ def save(
             "debug": debug_entries,
             **info,
         }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        (tmp / MANIFEST).write_text(_manifest_text(manifest))
         if path.exists():  # a broken artifact under this key
             remove(path)
         os.replace(tmp, path)
@@ -160,6 +163,52 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     logger.info("saved artifact %s (%d variants, %d blobs)", path, len(variant_entries), len(blob_of))
+
+
+def _manifest_text(manifest: dict) -> str:
+    return json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+
+
+def add_triton_kernels(path: Path, packed: Path, triton_version: str, seconds: float) -> int:
+    """Add the Triton kernels packed under `packed` (`triton_cache.pack`) to the artifact at `path`
+    and pin them in its manifest; returns how many files. The files are copied first and the manifest
+    is replaced in one step after: until then the artifact is whole, only without them."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    target = path / TRITON_KERNELS
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(packed, target)
+    files = {p.relative_to(target).as_posix(): _entry(p) for p in sorted(target.rglob("*")) if p.is_file()}
+    manifest["triton_kernels"] = {"triton": triton_version, "files": files}
+    manifest.setdefault("timings", {})["triton_kernels"] = seconds
+    fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST}.", dir=path)
+    with os.fdopen(fd, "w") as f:
+        f.write(_manifest_text(manifest))
+    os.replace(tmp, path / MANIFEST)
+    return len(files)
+
+
+def install_triton_kernels(path: Path, manifest: dict) -> int:
+    """Put the artifact's Triton kernels into this machine's Triton cache, so their first launch
+    compiles nothing; from here on, count the kernels Triton does compile. Returns how many were added
+    (0 when they are there already, or were built by another Triton: those compile at first launch)."""
+    from kiln.compiler import triton_cache
+
+    triton_cache.watch()
+    kernels = manifest.get("triton_kernels") or {}
+    if not kernels.get("files"):
+        return 0
+    import triton
+
+    if kernels["triton"] != triton.__version__:
+        logger.warning("the artifact's Triton kernels were built by triton %s, this is %s: they compile at first "
+                       "launch; run `kiln compile --force` here to ship this Triton's", kernels["triton"],
+                       triton.__version__)
+        return 0
+    added = triton_cache.install(Path(path) / TRITON_KERNELS)
+    logger.info("Triton kernels: %d from the artifact added to %s", added, triton_cache.cache_dir())
+    return added
 
 
 def _save_library(blobs: Path, compiled, debug: dict[str, str]) -> dict:
@@ -216,6 +265,8 @@ def pinned_files(path: Path, manifest: dict) -> list[tuple[Path, dict, str]]:
         files.append((blob_path(path, e), e, "blob"))
         if e["calls"] is not None:
             files.append((blob_path(path, e).with_suffix(CALLS_SUFFIX), e["calls"], "blob call table"))
+    files += [(path / TRITON_KERNELS / rel, e, "Triton kernel")
+              for rel, e in manifest.get("triton_kernels", {}).get("files", {}).items()]
     files += [(path / "debug" / rel, e, "debug file") for rel, e in manifest.get("debug", {}).items()]
     return files
 
@@ -288,6 +339,8 @@ def load(path: Path, model: nn.Module) -> CompiledProgram:
     lease = usage.acquire(path)  # before verifying: a pruner waits for no one it cannot see
     manifest = verify(path)
     device = manifest["factors"]["system"]["device"]
+    if device == "cuda":
+        install_triton_kernels(path, manifest)
     blobs: dict[tuple[str, tuple[int, ...]], LoadedLibrary] = {}
 
     def library(entry: dict, args: tuple[int, ...]) -> LoadedLibrary:

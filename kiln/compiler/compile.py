@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import logging
 import shutil
+import tempfile
 import time
 import warnings
 from collections.abc import Sequence
@@ -274,6 +275,31 @@ def _build_variants(traced: TracedBackbone, manager: PassManager, compile_config
     return variants
 
 
+def ship_triton_kernels(path: Path, model: CausalLM, block_size: int = 16) -> int:
+    """Run the artifact at `path` once per batch form (decodes, a prefill) in each variant, so Triton
+    builds every kernel the program launches from Python, and add them to the artifact: a serve start
+    then compiles none. Returns how many kernels were added."""
+    import triton
+
+    from kiln.compiler import triton_cache
+
+    start = time.perf_counter()
+    program = artifact.load(path, model)
+    cfg = model.config
+    kv_caches = [torch.zeros(2, 4, block_size, model.layout.num_kv_heads, cfg.head_dim, dtype=model.dtype,
+                             device=next(model.parameters()).device) for _ in range(cfg.num_layers)]
+    triton_cache.forget_launched()
+    with triton_cache.Recorder() as recorder, torch.inference_mode():
+        batches = program.run_each_form(kv_caches, block_size)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as packed:
+        triton_cache.pack(recorder.builds, Path(packed))
+        files = artifact.add_triton_kernels(path, Path(packed), triton.__version__, time.perf_counter() - start)
+    logger.info("Triton kernels: %d built (%d compiled, the rest from Triton's cache) by %d warm-up batches, "
+                "%d files added to the artifact", len(recorder.builds), len(recorder.compiled), len(batches), files)
+    return len(recorder.builds)
+
+
 def build_artifact(
     model: CausalLM,
     compile_config: CompileConfig,
@@ -350,6 +376,10 @@ def build_artifact(
             },
         )
         timings["save"] = time.perf_counter() - start
+        if next(model.parameters()).device.type == "cuda":
+            start = time.perf_counter()
+            ship_triton_kernels(path, model)
+            timings["triton_kernels"] = time.perf_counter() - start
     logger.info("compile stages: %s", ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
     matches = artifact.pass_matches(artifact.read_manifest(path))  # the table `kiln compile` prints, as saved
     return CompileResult(path, reused=False, timings=timings, pass_matches=matches)

@@ -132,9 +132,22 @@ class CompiledProgram:
                     graphed.append(GraphedPiece(piece, piece.token_args, self.capture_sizes, pool))
                     setattr(program, name, graphed[-1])
         for size in reversed(self.capture_sizes):  # the first call at each size captures
-            self(*_capture_batch(size, kv_caches, block_size, device))
+            self(*_idle_batch([size], kv_caches, block_size))
         for piece in graphed:
             piece.sealed = True
+
+    def run_each_form(self, kv_caches: list[torch.Tensor], block_size: int) -> list[list[int]]:
+        """Run, for every variant, a batch of decodes and a prefill at a token count it serves,
+        writing nothing into the KV caches: every kernel binary the program launches from Python is
+        launched once (what `kiln compile` runs to build them). Returns the batches' query lengths."""
+        batches = []
+        for (low, high), _ in self.graph.routes:
+            batches.append([1] * low)  # decodes: one token per sequence
+            if high >= 2:
+                batches.append([max(low, 2)])  # a prefill
+        for query_lens in batches:
+            self(*_idle_batch(query_lens, kv_caches, block_size))
+        return batches
 
     def __call__(
         self,
@@ -165,15 +178,19 @@ class CompiledProgram:
         return out[:n]
 
 
-def _capture_batch(size: int, kv_caches: list[torch.Tensor], block_size: int, device: torch.device) -> tuple:
-    """A batch of `size` tokens to capture graphs with: one sequence whose slots are all -1, so the
-    capture writes nothing into the KV cache."""
-    blocks = torch.arange(-(-size // block_size), device=device) % kv_caches[0].shape[1]
+def _idle_batch(query_lens: list[int], kv_caches: list[torch.Tensor], block_size: int) -> tuple:
+    """A batch of sequences with these query lengths and no earlier context, whose slots are all -1:
+    running it writes nothing into the KV caches (what graph capture and kernel warm-up run)."""
+    device = kv_caches[0].device
+    width = -(-max(query_lens) // block_size)
+    blocks = (torch.arange(width, device=device) % kv_caches[0].shape[1]).to(torch.int32)
+    lens = torch.tensor(query_lens, dtype=torch.int32, device=device)
     meta = AttentionMetadata(
-        slot_mapping=torch.full((size,), -1, dtype=torch.int64, device=device),
-        query_start_loc=torch.tensor([0, size], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([size], dtype=torch.int32, device=device),
-        block_tables=blocks.to(torch.int32)[None],
+        slot_mapping=torch.full((sum(query_lens),), -1, dtype=torch.int64, device=device),
+        query_start_loc=torch.cat([lens.new_zeros(1), lens.cumsum(0, dtype=torch.int32)]),
+        seq_lens=lens,
+        block_tables=blocks[None].expand(len(query_lens), -1).contiguous(),
     )
-    tokens = torch.zeros(size, dtype=torch.int64, device=device)
-    return tokens, torch.arange(size, device=device), kv_caches, meta
+    tokens = torch.zeros(sum(query_lens), dtype=torch.int64, device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in query_lens])
+    return tokens, positions, kv_caches, meta

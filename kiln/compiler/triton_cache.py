@@ -1,0 +1,168 @@
+"""The Triton kernels a program launches from Python, built by `kiln compile` and shipped in the
+artifact, so that a GPU serve start compiles none.
+
+Inductor's kernels live inside the AOTInductor libraries. kiln's paged attention and RoPE + KV-write
+kernels do not: the program launches them through their ops, and Triton compiles each
+specialization at its first launch (about a second each) into its cache, `<cache>/<hash>/`.
+`Recorder` notes every kernel Triton compiles or finds there while a warm-up run launches them;
+`pack` keeps each one's binary and metadata; `install` puts them into this machine's Triton cache,
+where the first launch finds them. The hash covers Triton's version, the GPU architecture, ptxas
+and the options, so on another setup nothing matches and the kernels compile at first launch, as
+they would without the artifact; `watch` counts such compiles (`triton_kernels_compiled`).
+
+Triton is imported only when these functions run: a CPU process never pays for it.
+"""
+
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from kiln.compiler.counters import counters
+
+logger = logging.getLogger(__name__)
+
+KEPT_SUFFIXES = (".cubin", ".hsaco", ".json")
+"""What a launch needs of a cache entry: the binary and its metadata (Triton's own
+TRITON_STORE_BINARY_ONLY keeps the same); the IR files are ten times their size."""
+GROUP_PREFIX = "__grp__"
+
+
+@dataclass
+class TritonBuild:
+    """One compiled kernel specialization in Triton's cache: its hash (the entry's directory),
+    the kernel's name and its files (name -> path)."""
+
+    hash: str
+    name: str
+    files: dict[str, str]
+
+
+class Recorder:
+    """Within `with Recorder() as r:`, every kernel Triton compiles (`r.compiled`) or loads from its
+    cache (`r.builds` has both). Triton reports only what its in-memory cache misses: call
+    `forget_launched()` first to see kernels this process launched before."""
+
+    def __init__(self):
+        self.builds: dict[str, TritonBuild] = {}
+        self.compiled: list[str] = []
+
+    def __enter__(self) -> "Recorder":
+        import triton
+
+        self._knobs = triton.knobs.compilation
+        self._previous = self._knobs.listener
+        self._knobs.listener = self._listen
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._knobs.listener = self._previous
+
+    def _listen(self, *, src, metadata, metadata_group, times, cache_hit) -> None:
+        if self._previous is not None:
+            self._previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+        files = dict(metadata_group)
+        entry = Path(next(iter(files.values()))).parent.name
+        self.builds[entry] = TritonBuild(entry, src.name, files)
+        if not cache_hit:
+            self.compiled.append(src.name)
+
+
+def forget_launched() -> None:
+    """Drop kiln's kernels from Triton's in-memory cache, so their next launch asks the compiler
+    (and a `Recorder` sees it)."""
+    from triton.runtime.jit import JITFunction
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("kiln.kernels.triton."):
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, JITFunction) and hasattr(value, "device_caches"):
+                value.device_caches.clear()
+
+
+def pack(builds: dict[str, TritonBuild], dest: Path) -> list[str]:
+    """Copy each build's binary and metadata into `dest/<hash>/`; returns the relative paths written."""
+    written = []
+    for build in builds.values():
+        for name, src in sorted(build.files.items()):
+            if not name.endswith(KEPT_SUFFIXES) or name.startswith(GROUP_PREFIX):
+                continue
+            target = Path(dest) / build.hash / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, target)
+            written.append(f"{build.hash}/{name}")
+    return written
+
+
+def cache_dir() -> Path:
+    """This process's Triton cache (`$TRITON_CACHE_DIR`, else Triton's default)."""
+    import triton
+
+    return Path(triton.knobs.cache.dir)
+
+
+def install(src: Path, dest: Path | None = None) -> int:
+    """Put the packed kernels under `src` into Triton's cache (or `dest`): each entry's files, then
+    its group file naming them at their new paths (Triton's lookup reads the group, so a reader never
+    sees a half-installed entry). Entries already there are left alone. Returns how many were added."""
+    dest = Path(dest) if dest is not None else cache_dir()
+    added = 0
+    for entry in sorted(p for p in Path(src).iterdir() if p.is_dir()):
+        files = sorted(p.name for p in entry.iterdir() if p.is_file())
+        metadata = [name for name in files if name.endswith(".json")]
+        if len(metadata) != 1:
+            logger.warning("skipping Triton kernel %s in the artifact: expected one metadata file, found %s",
+                           entry.name, metadata)
+            continue
+        target = dest / entry.name
+        group = target / f"{GROUP_PREFIX}{metadata[0]}"
+        if group.is_file() and all((target / name).is_file() for name in files):
+            continue
+        target.mkdir(parents=True, exist_ok=True)
+        for name in files:
+            _replace_file(target / name, (entry / name).read_bytes())
+        _replace_file(group, json.dumps({"child_paths": {name: str(target / name) for name in files}}).encode())
+        added += 1
+    return added
+
+
+def _replace_file(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+_watching = False
+
+
+def watch() -> None:
+    """From now on count (`triton_kernels_compiled`) and log each Triton kernel this process
+    compiles rather than finds in its cache: after `install`, a serve start should count none."""
+    global _watching
+    if _watching:
+        return
+    import triton
+
+    compilation = triton.knobs.compilation
+    previous = compilation.listener
+
+    def listen(*, src, metadata, metadata_group, times, cache_hit) -> None:
+        if previous is not None:
+            previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+        if not cache_hit:
+            counters["triton_kernels_compiled"] += 1
+            logger.info("Triton compiled kernel %s (it was not in the artifact, or was built by another Triton "
+                        "or GPU)", src.name)
+
+    compilation.listener = listen
+    _watching = True

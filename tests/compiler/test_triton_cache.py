@@ -1,0 +1,126 @@
+"""The Triton kernels an artifact ships: recorded while they are built, packed, pinned in the
+manifest, installed into a fresh Triton cache where the next build of the same kernel finds them.
+The kernels are built for an H100 with Triton's own ptxas, so this runs with no GPU."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("triton.backends.nvidia")
+import triton  # noqa: E402
+
+from kiln import LLM  # noqa: E402
+from kiln.compiler import artifact, triton_cache  # noqa: E402
+from kiln.compiler.counters import counters  # noqa: E402
+from kiln.kernels.triton import rope_kv_cache  # noqa: E402
+from tests.kernels.hopper import compile_for_hopper  # noqa: E402
+
+
+def _build_rope_kernel():
+    """Build the RoPE + KV-write kernel for sm_90 (a small model's shapes); returns the kernel."""
+    q, k, v = (torch.empty(8, heads, 64, dtype=torch.bfloat16, device="meta") for heads in (8, 2, 2))
+    cache = torch.empty(2, 32, 16, 2, 64, dtype=torch.bfloat16, device="meta")
+    positions = torch.empty(8, dtype=torch.int64, device="meta")
+    cos_sin = torch.empty(512, 64, dtype=torch.bfloat16, device="meta")
+    _, args, constexprs = rope_kv_cache.launch_arguments(positions, q, k, v, cos_sin, True, cache, positions,
+                                                         torch.empty_like(q), torch.empty_like(k))
+    return compile_for_hopper(rope_kv_cache._rope_kv_kernel, args, constexprs)
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """The kernel built into a private Triton cache under a Recorder, then packed: (packed dir, cubin)."""
+    root = tmp_path_factory.mktemp("triton")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_CACHE_DIR", str(root / "build-cache"))
+        with triton_cache.Recorder() as recorder:
+            kernel = _build_rope_kernel()
+    assert recorder.compiled == ["_rope_kv_kernel"] and len(recorder.builds) == 1
+    written = triton_cache.pack(recorder.builds, root / "packed")
+    (entry,) = recorder.builds
+    assert sorted(written) == sorted(f"{entry}/_rope_kv_kernel.{ext}" for ext in ("cubin", "json"))  # no IR
+    return root / "packed", kernel.asm["cubin"]
+
+
+def test_packed_kernels_install_and_are_found_by_the_next_build(packed, tmp_path, monkeypatch):
+    packed_dir, cubin = packed
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "fresh"))
+    assert triton_cache.cache_dir() == tmp_path / "fresh"
+    assert triton_cache.install(packed_dir) == 1
+    (group,) = (tmp_path / "fresh").glob("*/__grp__*.json")
+    paths = json.loads(group.read_text())["child_paths"].values()
+    assert all(str(tmp_path / "fresh") in p for p in paths)  # relocated: Triton's group files hold absolute paths
+    with triton_cache.Recorder() as recorder:
+        kernel = _build_rope_kernel()
+    assert recorder.compiled == [] and len(recorder.builds) == 1  # found, not compiled
+    assert kernel.asm["cubin"] == cubin
+    assert triton_cache.install(packed_dir) == 0  # already there: left alone
+
+
+def test_an_entry_missing_its_metadata_is_skipped(packed, tmp_path, caplog):
+    packed_dir, _ = packed
+    broken = tmp_path / "broken"
+    shutil.copytree(packed_dir, broken)
+    for f in broken.glob("*/*.json"):
+        f.unlink()
+    assert triton_cache.install(broken, tmp_path / "cache") == 0
+    assert "expected one metadata file" in caplog.text
+
+
+def test_artifact_pins_and_installs_its_triton_kernels(packed, tmp_path, monkeypatch, llama_artifact, caplog):
+    packed_dir, _ = packed
+    path = tmp_path / llama_artifact.name
+    shutil.copytree(llama_artifact, path)
+    assert artifact.add_triton_kernels(path, packed_dir, triton.__version__, 1.5) == 2
+    manifest = artifact.verify(path)
+    assert manifest["triton_kernels"]["triton"] == triton.__version__
+    assert manifest["timings"]["triton_kernels"] == 1.5
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "serve-cache"))
+    assert artifact.install_triton_kernels(path, manifest) == 1
+    assert len(list((tmp_path / "serve-cache").glob("*/*.cubin"))) == 1
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "other-cache"))
+    other = json.loads(json.dumps(manifest))
+    other["triton_kernels"]["triton"] = "0.0.1"
+    assert artifact.install_triton_kernels(path, other) == 0  # another Triton's kernels: they compile at launch
+    assert "built by triton 0.0.1" in caplog.text and not (tmp_path / "other-cache").exists()
+
+    (cubin,) = (path / artifact.TRITON_KERNELS).glob("*/*.cubin")
+    data = bytearray(cubin.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    cubin.write_bytes(bytes(data))
+    with pytest.raises(artifact.ArtifactError, match=r"artifact Triton kernel \S+\.cubin is corrupt"):
+        artifact.verify(path)
+
+
+def test_watch_counts_compiles_not_cache_hits(packed, tmp_path, monkeypatch):
+    packed_dir, _ = packed
+    triton_cache.watch()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "watched"))
+    before = counters["triton_kernels_compiled"]
+    _build_rope_kernel()  # an empty cache: compiled
+    assert counters["triton_kernels_compiled"] == before + 1
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "installed"))
+    triton_cache.install(packed_dir)
+    _build_rope_kernel()  # found
+    assert counters["triton_kernels_compiled"] == before + 1
+
+
+def test_warm_up_runs_decodes_and_a_prefill_per_variant_and_writes_nothing(demo_dirs, kiln_cache, llama_artifact):
+    runner = LLM(demo_dirs["llama"], compile=True, cache_dir=kiln_cache, require_artifact=True).engine.runner
+    program = runner.forward
+    kv_caches = [torch.zeros_like(c[:, :4]) for c in runner.kv_caches]  # 4 blocks are enough: nothing is written
+    routes, calls = program.graph.routes, []
+
+    def counted(forward):
+        return lambda *args: calls.append(args[program.graph.tokens_at].shape[0]) or forward(*args)
+
+    program.graph.routes = [(r, counted(forward)) for r, forward in routes]
+    batches = program.run_each_form(kv_caches, runner.block_size)
+    want = []
+    for (low, high), _ in routes:
+        want += [[1] * low] + ([[max(low, 2)]] if high >= 2 else [])
+    assert len(want) >= 2 and batches == want and calls == [sum(b) for b in want]
+    assert all(not c.any() for c in kv_caches)  # slots -1: nothing written

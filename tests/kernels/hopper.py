@@ -1,0 +1,35 @@
+"""Compiling kiln's Triton kernels for an H100 (sm_90) on a machine without one: Triton's NVIDIA
+backend builds a cubin with the ptxas its wheel carries. Import only after
+`pytest.importorskip("triton.backends.nvidia")`."""
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+HOPPER = GPUTarget("cuda", 90, 32)
+SHARED_LIMIT = 227 * 1024  # an H100 block's dynamic shared memory
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+         torch.int64: "i64", torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv"}
+
+
+def compile_for_hopper(kernel, args: tuple, constexprs: dict):
+    """Compile `kernel` for sm_90 as its launch would, marking what the JIT marks 16-divisible
+    (pointers, and ints it specializes whose value is a multiple of 16)."""
+    names = [p.name for p in kernel.params if not p.is_constexpr]
+    unspecialized = set(kernel.do_not_specialize)
+    signature, attrs = {}, {}
+    for i, (name, value) in enumerate(zip(names, args)):
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + TYPES[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32"
+            if value % 16 == 0 and name not in unspecialized:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32"
+    signature |= {name: "constexpr" for name in constexprs}
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER)
