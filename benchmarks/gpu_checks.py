@@ -10,7 +10,10 @@
 3. batch-1 decode step: eager, compiled without graphs, compiled with graphs (median ms, one run);
 4. each fused op vs its unfused sequence through `torch.ops.kiln` (the Triton kernels on CUDA),
    median microseconds at 1 and 64 tokens (benchmarks/fusions.py's pairs, on this device);
-5. the Triton kernel cases (tests/kernels/triton_cases.py, fp8 included) on this device.
+5. the Triton kernel cases (tests/kernels/triton_cases.py, fp8 included) on this device;
+6. a serve start compiles nothing: a fresh process with an empty Triton cache loads the llama
+   artifact (graphs captured) and serves prompts of mixed lengths; counts Triton compiles (the
+   artifact's kernels should cover every launch), Inductor compiles and Dynamo frames.
 
 On a CPU (`--device cpu`) it runs the same steps without graphs or Triton: a smoke test of the script.
 """
@@ -112,6 +115,47 @@ def kernel_cases(device: str) -> dict:
     return {"returncode": proc.returncode, "summary": summary}
 
 
+SERVE_START = """
+import json, sys, time
+import torch._dynamo.utils
+from kiln import LLM, SamplingParams
+from kiln.compiler.counters import counters
+start = time.perf_counter()
+llm = LLM(sys.argv[1], dtype=sys.argv[2], device=sys.argv[3], compile=True, cache_dir=sys.argv[4],
+          require_artifact=True)
+ready = time.perf_counter() - start
+llm.generate(json.loads(sys.argv[5]), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+print(json.dumps({"start_s": round(ready, 2), "kiln": dict(counters),
+                  "dynamo_frames": sum(torch._dynamo.utils.counters["frames"].values()),
+                  "inductor_imported": "torch._inductor.compile_fx" in sys.modules}))
+"""
+
+
+def serve_start(work: Path, device: str, dtype: str) -> dict:
+    """Serve the llama artifact (compiled by the steps before) in a fresh process whose Triton cache
+    is empty: only the artifact's kernels are there to find."""
+    import json
+
+    from kiln.compiler import artifact
+
+    prompts = [p * k for k, p in enumerate(PROMPTS, 1)]  # lengths from a few tokens to many: decodes and prefills
+    with tempfile.TemporaryDirectory(prefix="kiln-triton-cache-") as triton_cache:
+        env = {**os.environ, "TRITON_CACHE_DIR": triton_cache}
+        proc = subprocess.run([sys.executable, "-c", SERVE_START, str(work / "llama"), dtype, device,
+                               str(work / "cache"), json.dumps(prompts)], capture_output=True, text=True, env=env,
+                              cwd=ROOT)
+    if proc.returncode != 0:
+        print("serve start failed:", proc.stderr[-3000:], flush=True)
+        return {"returncode": proc.returncode}
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    shipped = [artifact.read_manifest(p).get("triton_kernels", {}).get("files", {})
+               for p in (work / "cache").iterdir() if (p / artifact.MANIFEST).is_file()]
+    result["artifact_triton_files"] = sorted(len(f) for f in shipped)
+    result["triton_kernels_compiled"] = result["kiln"].get("triton_kernels_compiled", 0)
+    print("serve start", result, flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -129,6 +173,7 @@ def main() -> None:
         results["agreement"] = agreement(work, args.device, args.dtype)
         results["padding"] = padding(work, args.device, args.dtype)
         results["decode_batch1"] = decode_batch1(work, args.device, args.dtype, args.steps)
+        results["serve_start"] = serve_start(work, args.device, args.dtype)
     results["fused_ops"] = fused_ops(args.device, [int(t) for t in args.tokens.split(",")])
     if not args.skip_kernels:
         results["triton_cases"] = kernel_cases(args.device)

@@ -95,8 +95,11 @@ def info(cache_dir: Path, key: str, as_json: bool) -> int:
                   f"{f['system']['machine']} {_isa(entry)}"],
         ["last used", _when(entry.last_used)],
         ["size", f"{format_size(entry.bytes)}: " + ", ".join(
-            f"{n} {folder} ({format_size(b)})" for folder in ("blobs", "programs", "debug")
-            for n, b in [_folder_bytes(entry, folder)])],
+            f"{n} {folder} ({format_size(b)})" for folder in ("blobs", "programs", "kernels", "debug")
+            for n, b in [_folder_bytes(entry, folder)] if n)],
+        *([["triton kernels", f"{len({rel.split('/')[0] for rel in m['triton_kernels']['files']})} built by triton "
+                              f"{m['triton_kernels']['triton']} (installed into Triton's cache at load)"]]
+          if m.get("triton_kernels") else []),
     ], tablefmt="plain"))
     for i, variant in enumerate(m["variants"]):
         label = artifact.variant_label(variant["ranges"], variant["sizes"])
@@ -108,7 +111,7 @@ def info(cache_dir: Path, key: str, as_json: bool) -> int:
         print(tabulate([[p["name"], "-" if p["matches"] is None else p["matches"], f"{p['seconds']:.3f}"]
                         for p in variant["passes"]], ["pass", "matches", "seconds"], tablefmt="plain"))
     print()
-    order = ["trace", "passes", "split", "compile", "save"]
+    order = ["trace", "passes", "split", "compile", "save", "triton_kernels"]
     timings = dict(sorted(m.get("timings", {}).items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 9))
     print(tabulate([[k, f"{v:.2f}"] for k, v in timings.items()] + [["total", f"{sum(timings.values()):.2f}"]],
                    ["stage", "seconds"], tablefmt="plain"))

@@ -378,7 +378,11 @@ def build_artifact(
         timings["save"] = time.perf_counter() - start
         if next(model.parameters()).device.type == "cuda":
             start = time.perf_counter()
-            ship_triton_kernels(path, model)
+            try:
+                ship_triton_kernels(path, model)
+            except Exception as e:  # the artifact is whole without them: its kernels then compile at first launch
+                logger.warning("could not build the Triton kernels into the artifact (%s: %s): a serve start will "
+                               "compile them", type(e).__name__, e)
             timings["triton_kernels"] = time.perf_counter() - start
     logger.info("compile stages: %s", ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
     matches = artifact.pass_matches(artifact.read_manifest(path))  # the table `kiln compile` prints, as saved

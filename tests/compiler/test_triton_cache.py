@@ -12,6 +12,7 @@ pytest.importorskip("triton.backends.nvidia")
 import triton  # noqa: E402
 
 from kiln import LLM  # noqa: E402
+from kiln.cli import main  # noqa: E402
 from kiln.compiler import artifact, triton_cache  # noqa: E402
 from kiln.compiler.counters import counters  # noqa: E402
 from kiln.kernels.triton import rope_kv_cache  # noqa: E402
@@ -69,7 +70,8 @@ def test_an_entry_missing_its_metadata_is_skipped(packed, tmp_path, caplog):
     assert "expected one metadata file" in caplog.text
 
 
-def test_artifact_pins_and_installs_its_triton_kernels(packed, tmp_path, monkeypatch, llama_artifact, caplog):
+def test_artifact_pins_and_installs_its_triton_kernels(packed, tmp_path, monkeypatch, llama_artifact, caplog,
+                                                       capsys):
     packed_dir, _ = packed
     path = tmp_path / llama_artifact.name
     shutil.copytree(llama_artifact, path)
@@ -77,6 +79,10 @@ def test_artifact_pins_and_installs_its_triton_kernels(packed, tmp_path, monkeyp
     manifest = artifact.verify(path)
     assert manifest["triton_kernels"]["triton"] == triton.__version__
     assert manifest["timings"]["triton_kernels"] == 1.5
+    assert main(["cache", "info", path.name, "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"triton kernels  1 built by triton {triton.__version__}" in out and "2 kernels (" in out
+
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "serve-cache"))
     assert artifact.install_triton_kernels(path, manifest) == 1
     assert len(list((tmp_path / "serve-cache").glob("*/*.cubin"))) == 1
