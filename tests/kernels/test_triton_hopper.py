@@ -1,9 +1,11 @@
-"""kiln's Python-launched Triton kernels compile for an H100 (sm_90) at real model sizes.
+"""kiln's Triton kernels compile for an H100 (sm_90) at real model sizes.
 
 No GPU needed: Triton's NVIDIA backend compiles to a cubin with the ptxas its wheel carries. The
 interpreter tests (`triton_cases.py`) check the numbers on tiny shapes; this checks what only a real
 compile sees: the NVIDIA lowering of every op, and shared memory at head dim 128 and big GQA groups. The
-arguments are the launch's own (`launch_arguments`), built from meta tensors, so no memory is used.
+arguments are the launch's own (`launch_arguments`, or the norm and activation ops' launches
+recorded instead of run), built from meta tensors, so no memory is used. The fp8 epilogues, which
+the interpreter cannot check, compile here.
 """
 
 import pytest
@@ -12,7 +14,7 @@ import torch
 triton = pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia")
 
-from kiln.kernels.triton import attention, rope_kv_cache  # noqa: E402
+from kiln.kernels.triton import activation, attention, norm, rope_kv_cache  # noqa: E402
 from tests.kernels.hopper import SHARED_LIMIT, compile_for_hopper  # noqa: E402
 
 
@@ -58,3 +60,34 @@ def test_rope_kv_cache_write_compiles_for_hopper(is_neox):
                                                          torch.empty_like(q), torch.empty_like(k))
     kernel = compile_for_hopper(rope_kv_cache._rope_kv_kernel, args, constexprs)
     assert "cubin" in kernel.asm and kernel.metadata.shared <= SHARED_LIMIT
+
+
+class _Launch:
+    """Stands in for `wrap_triton(kernel)`: `[grid](...)` records the launch instead of running it."""
+
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **constexprs: self.launches.append((self.kernel, args, constexprs))
+
+
+@pytest.mark.parametrize("quant", [None, (torch.int8, False), (torch.int8, True), (torch.float8_e4m3fn, False),
+                                   (torch.float8_e4m3fn, True)],
+                         ids=["plain", "int8-per-token", "int8-static", "fp8-per-token", "fp8-static"])
+def test_norm_and_activation_kernels_compile_for_hopper(quant, monkeypatch):
+    launches = []
+    for module in (norm, activation):
+        monkeypatch.setattr(module, "wrap_triton", lambda kernel: _Launch(kernel, launches))
+    hidden, inter = 4096, 14336
+    x = torch.empty(64, hidden, dtype=torch.bfloat16, device="meta")
+    weight = torch.empty(hidden, dtype=torch.bfloat16, device="meta")
+    args = () if quant is None else (quant[0], torch.empty(1, device="meta") if quant[1] else None)
+    norm.rms_norm_triton(x, weight, 1e-6, *args)
+    norm.fused_add_rms_norm_triton(x, torch.empty_like(x), weight, 1e-6, *args)
+    activation.silu_and_mul_triton(torch.empty(64, 2 * inter, dtype=torch.bfloat16, device="meta"), *args)
+    assert [kernel.__name__ for kernel, _, _ in launches] == ["_rms_norm_kernel", "_rms_norm_kernel",
+                                                              "_silu_and_mul_kernel"]
+    for kernel, launch_args, constexprs in launches:
+        compiled = compile_for_hopper(kernel, launch_args, constexprs)
+        assert "cubin" in compiled.asm and compiled.metadata.shared <= SHARED_LIMIT
