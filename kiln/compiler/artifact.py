@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 import kiln
-from kiln.compiler import usage
+from kiln.compiler import atomic, usage
 from kiln.compiler.aoti import CALLS_SUFFIX, LIBRARY_SUFFIX, LoadedLibrary
 from kiln.compiler.counters import counters
 from kiln.compiler.key import python_version, system_info
@@ -182,10 +182,7 @@ def add_triton_kernels(path: Path, packed: Path, triton_version: str, seconds: f
     files = {p.relative_to(target).as_posix(): _entry(p) for p in sorted(target.rglob("*")) if p.is_file()}
     manifest["triton_kernels"] = {"triton": triton_version, "files": files}
     manifest.setdefault("timings", {})["triton_kernels"] = seconds
-    fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST}.", dir=path)
-    with os.fdopen(fd, "w") as f:
-        f.write(_manifest_text(manifest))
-    os.replace(tmp, path / MANIFEST)
+    atomic.write_bytes(path / MANIFEST, _manifest_text(manifest).encode())
     return len(files)
 
 

@@ -285,13 +285,14 @@ def ship_triton_kernels(path: Path, model: CausalLM, block_size: int = 16) -> in
 
     start = time.perf_counter()
     program = artifact.load(path, model)
-    cfg = model.config
+    cfg, device = model.config, next(model.parameters()).device
     kv_caches = [torch.zeros(2, 4, block_size, model.layout.num_kv_heads, cfg.head_dim, dtype=model.dtype,
-                             device=next(model.parameters()).device) for _ in range(cfg.num_layers)]
+                             device=device) for _ in range(cfg.num_layers)]
     triton_cache.forget_launched()
     with triton_cache.Recorder() as recorder, torch.inference_mode():
         batches = program.run_each_form(kv_caches, block_size)
-        torch.cuda.synchronize()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as packed:
         triton_cache.pack(recorder.builds, Path(packed))
         files = artifact.add_triton_kernels(path, Path(packed), triton.__version__, time.perf_counter() - start)

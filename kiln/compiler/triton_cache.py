@@ -15,13 +15,12 @@ Triton is imported only when these functions run: a CPU process never pays for i
 
 import json
 import logging
-import os
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln.compiler import atomic
 from kiln.compiler.counters import counters
 
 logger = logging.getLogger(__name__)
@@ -125,21 +124,10 @@ def install(src: Path, dest: Path | None = None) -> int:
             continue
         target.mkdir(parents=True, exist_ok=True)
         for name in files:
-            _replace_file(target / name, (entry / name).read_bytes())
-        _replace_file(group, json.dumps({"child_paths": {name: str(target / name) for name in files}}).encode())
+            atomic.write_bytes(target / name, (entry / name).read_bytes())
+        atomic.write_bytes(group, json.dumps({"child_paths": {name: str(target / name) for name in files}}).encode())
         added += 1
     return added
-
-
-def _replace_file(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 _watching = False

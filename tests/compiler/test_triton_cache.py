@@ -130,3 +130,18 @@ def test_warm_up_runs_decodes_and_a_prefill_per_variant_and_writes_nothing(demo_
         want += [[1] * low] + ([[max(low, 2)]] if high >= 2 else [])
     assert len(want) >= 2 and batches == want and calls == [sum(b) for b in want]
     assert all(not c.any() for c in kv_caches)  # slots -1: nothing written
+
+
+def test_ship_triton_kernels_runs_the_artifact_and_pins_what_it_built(demo_dirs, llama_artifact, tmp_path):
+    """The compile step's plumbing, on CPU: the program runs (no Triton launches here, so nothing is
+    built) and the manifest records the empty set with this Triton's version; on CUDA the same run
+    builds the attention and RoPE kernels (benchmarks/gpu_checks.py checks a serve start then compiles none)."""
+    from kiln.compiler.compile import ship_triton_kernels
+
+    path = tmp_path / llama_artifact.name
+    shutil.copytree(llama_artifact, path)
+    llm = LLM(demo_dirs["llama"], compile=True, cache_dir=tmp_path, require_artifact=True)
+    assert ship_triton_kernels(path, llm.model) == 0
+    manifest = artifact.verify(path)
+    assert manifest["triton_kernels"] == {"triton": triton.__version__, "files": {}}
+    assert manifest["timings"]["triton_kernels"] > 0
