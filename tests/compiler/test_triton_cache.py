@@ -16,7 +16,9 @@ from kiln.cli import main  # noqa: E402
 from kiln.compiler import artifact, triton_cache  # noqa: E402
 from kiln.compiler.counters import counters  # noqa: E402
 from kiln.kernels.triton import rope_kv_cache  # noqa: E402
-from tests.kernels.hopper import compile_for_hopper  # noqa: E402
+from tests.kernels.hopper import compile_for_hopper, skip_without_ptxas  # noqa: E402
+
+skip_without_ptxas()
 
 
 def _build_rope_kernel():

@@ -1,7 +1,11 @@
 """Compiling kiln's Triton kernels for an H100 (sm_90) on a machine without one: Triton's NVIDIA
 backend builds a cubin with the ptxas its wheel carries. Import only after
-`pytest.importorskip("triton.backends.nvidia")`."""
+`pytest.importorskip("triton.backends.nvidia")`; `skip_without_ptxas()` skips a module where
+Triton has no ptxas."""
 
+from pathlib import Path
+
+import pytest
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
@@ -33,3 +37,12 @@ def compile_for_hopper(kernel, args: tuple, constexprs: dict):
             signature[name] = "fp32"
     signature |= {name: "constexpr" for name in constexprs}
     return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER)
+
+
+def skip_without_ptxas() -> None:
+    try:
+        found = Path(triton.knobs.nvidia.ptxas.path).is_file()
+    except Exception:  # Triton raises when it finds no ptxas at all
+        found = False
+    if not found:
+        pytest.skip("Triton has no ptxas here to compile for sm_90", allow_module_level=True)

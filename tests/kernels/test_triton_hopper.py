@@ -15,7 +15,9 @@ triton = pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia")
 
 from kiln.kernels.triton import activation, attention, norm, rope_kv_cache  # noqa: E402
-from tests.kernels.hopper import SHARED_LIMIT, compile_for_hopper  # noqa: E402
+from tests.kernels.hopper import SHARED_LIMIT, compile_for_hopper, skip_without_ptxas  # noqa: E402
+
+skip_without_ptxas()
 
 
 def _batch(tokens, num_seqs, q_heads, kv_heads, dim, dtype):
