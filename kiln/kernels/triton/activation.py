@@ -8,6 +8,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from kiln.kernels.triton.quant import quant_args, store_quantized
+from kiln.kernels.triton.row_launch import row_warps
 
 
 @triton.jit
@@ -34,9 +35,10 @@ def silu_and_mul_triton(x: torch.Tensor, quant_dtype: torch.dtype | None = None,
     rows = x2.shape[0]
     out = torch.empty(rows, d, dtype=x.dtype, device=x.device) if quant_dtype is None else x2.new_empty(0)
     meta, (q, scale_in, scale_out) = quant_args(rows, d, quant_dtype, scale, x.device)
+    block = triton.next_power_of_2(d)
     if rows:
         wrap_triton(_silu_and_mul_kernel)[(rows,)](x2, out, q, scale_in, scale_out, d,
-                                                   BLOCK=triton.next_power_of_2(d), **meta)
+                                                   BLOCK=block, num_warps=row_warps(block), **meta)
     if quant_dtype is None:
         return out.view(*x.shape[:-1], d)
     return q, scale_out

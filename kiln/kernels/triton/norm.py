@@ -10,6 +10,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from kiln.kernels.triton.quant import quant_args, store_quantized
+from kiln.kernels.triton.row_launch import row_warps
 
 
 @triton.jit
@@ -45,10 +46,11 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     out = torch.empty_like(x2) if quant_dtype is None else torch.empty(0, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x2) if residual is not None else out
     meta, (q, scale_in, scale_out) = quant_args(rows, n_cols, quant_dtype, scale, x.device)
+    block = triton.next_power_of_2(n_cols)
     if rows:
         wrap_triton(_rms_norm_kernel)[(rows,)](
             x2, res2, weight, out, res_out, q, scale_in, scale_out, n_cols, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols), **meta)
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=row_warps(block), **meta)
     res_out = res_out.view(x.shape) if residual is not None else None
     if quant_dtype is None:
         return out.view(x.shape), res_out
