@@ -11,8 +11,8 @@ no copy of the batch layout to the host, so the launch can sit inside a CUDA gra
 
 Triton compiles one binary per specialization of the arguments. The ints that change from batch to
 batch (sequence count, block-table width) and the serve-time settings (block size, window) are not
-specialized, so a model needs two binaries per op form (decodes, prefills), all of them built by
-`kiln compile` and shipped in the artifact (`kiln.compiler.triton_cache`).
+specialized, so a model needs two binaries per op (one for decode-only batches, one for the rest),
+all built by `kiln compile` and shipped in the artifact (`kiln.compiler.triton_cache`).
 """
 
 import os
