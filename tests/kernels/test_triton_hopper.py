@@ -39,6 +39,16 @@ def test_paged_attention_compiles_for_hopper(heads, batch):
     assert kernel.metadata.shared <= SHARED_LIMIT and spilled_bytes(kernel) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # fp32: tl.dot in IEEE precision
+@pytest.mark.parametrize("batch", [(8, 8), (300, 3)], ids=["decodes", "prefills"])
+def test_paged_attention_compiles_for_hopper_in_other_dtypes(dtype, batch):
+    query, cache, starts, lens, tables = _batch(*batch, 32, 8, 128, dtype)
+    _, args, constexprs = attention.launch_arguments(query, cache, starts, lens, tables, 0.1, 0,
+                                                     torch.empty_like(query), None)
+    kernel = compile_for_hopper(attention._paged_attention_kernel, args, constexprs)
+    assert kernel.metadata.shared <= SHARED_LIMIT and spilled_bytes(kernel) == 0
+
+
 @pytest.mark.parametrize("quant_dtype", [torch.int8, torch.float8_e4m3fn])
 def test_paged_attention_quant_compiles_for_hopper(quant_dtype):
     query, cache, starts, lens, tables = _batch(300, 3, 32, 8, 128, torch.bfloat16)
