@@ -60,8 +60,9 @@ def test_paged_attention_quant_compiles_for_hopper(quant_dtype):
 
 
 @pytest.mark.parametrize("is_neox", [True, False])
-def test_rope_kv_cache_write_compiles_for_hopper(is_neox):
-    tokens, q_heads, kv_heads, dim = 64, 32, 8, 128
+@pytest.mark.parametrize("heads", [(32, 8, 128), (64, 8, 128)], ids=["llama-8b", "llama-70b"])
+def test_rope_kv_cache_write_compiles_for_hopper(is_neox, heads):
+    tokens, (q_heads, kv_heads, dim) = 64, heads
     qkv = torch.empty(tokens, (q_heads + 2 * kv_heads) * dim, dtype=torch.bfloat16, device="meta")
     q, k, v = qkv.split([q_heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     q, k, v = q.view(tokens, q_heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
