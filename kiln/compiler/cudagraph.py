@@ -4,7 +4,9 @@ The runner pads each batch's token count up to the next capture size (`padded_si
 carry token 0, position 0 and slot -1, so they write no KV cache), runs the program at that size,
 and keeps the first n rows of the result. Each compiled piece then replays the graph captured for
 that size: its per-token arguments are copied into persistent buffers the graph reads; weights and
-KV caches are the same tensors at every call. Attention runs eagerly between the pieces. Above the
+KV caches are the same tensors at every call. Each argument has one buffer of the largest size, whose
+first rows every size's graph reads, so the buffers take one batch's memory per piece, not one per
+size. Attention runs eagerly between the pieces. Above the
 largest capture size, pieces run without graphs. Graphs are captured largest first into one shared
 memory pool, and only at start-up: a capture while serving raises.
 """
@@ -50,6 +52,7 @@ class GraphedPiece:
         self._graph_type = graph_type or torch.cuda.CUDAGraph
         self._capture = capture or torch.cuda.graph
         self._graphs: dict[int, tuple] = {}  # size -> (graph, input buffers, outputs)
+        self._inputs: dict[int, torch.Tensor] = {}  # token argument -> its buffer at the largest size
         self.sealed = False
         """Set once start-up captured every size: a later capture is a bug (it would stall a step)."""
 
@@ -59,13 +62,26 @@ class GraphedPiece:
         if self.sealed:
             raise KilnError(f"a CUDA graph capture (size {size}) was asked for after start-up: every capture "
                             "size is captured before serving")
-        buffers = {i: args[i].clone() for i in self.token_args}
+        buffers = {i: self._buffer(i, args[i], size) for i in self.token_args}
         call = [buffers.get(i, a) for i, a in enumerate(args)]
         self.fn(*call)  # warm-up outside the graph: lazy initialization must not be captured
         graph = self._graph_type()
         with self._capture(graph, pool=self.pool):
             outputs = self.fn(*call)
         self._graphs[size] = (graph, buffers, outputs)
+
+    def _buffer(self, i: int, arg: torch.Tensor, size: int) -> torch.Tensor:
+        """Argument i's input buffer for the graph at `size` tokens, holding `arg`: the first `size`
+        rows of one largest-size buffer that every size's graph reads (one graph runs at a time, and
+        its inputs are copied in just before). An argument that is not contiguous gets its own copy:
+        a prefix view would not have its strides."""
+        if not arg.is_contiguous():
+            return arg.clone()
+        if i not in self._inputs:
+            self._inputs[i] = arg.new_empty((self.sizes[-1], *arg.shape[1:]))
+        buffer = self._inputs[i][:size]
+        buffer.copy_(arg)
+        return buffer
 
     def __call__(self, *args):
         n = args[self.token_args[0]].shape[0] if self.token_args else None

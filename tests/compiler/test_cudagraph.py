@@ -57,6 +57,8 @@ def test_replays_captured_sizes_and_runs_others_directly():
     graph, buffers, outputs = graphed._graphs[2]
     assert graph.replays == 2 and out is outputs and torch.equal(buffers[0], x)  # input copied, not re-run
     assert calls == [8, 8, 2, 2]
+    big, small = graphed._graphs[8][1][0], graphed._graphs[2][1][0]
+    assert small.data_ptr() == big.data_ptr() and big.shape == (8, 4)  # one largest-size buffer for all sizes
     direct = graphed(torch.ones(9, 4), weight)  # above the largest size: no graph
     assert calls[-1] == 9 and torch.equal(direct[0], weight.expand(9, 4))
     with pytest.raises(KilnError, match="after start-up"):
@@ -81,3 +83,13 @@ def test_padded_batches_give_the_unpadded_outputs(demo_dirs, kiln_cache, llama_a
     for g, p in zip(got, plain):
         assert g.token_ids == p.token_ids
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(p.logprobs), atol=1e-5, rtol=0)
+
+
+def test_a_non_contiguous_argument_keeps_its_strides():
+    seen = []
+    graphed = GraphedPiece(lambda x: seen.append(x.stride()) or [x], token_args=[0], sizes=[2, 4], graph_type=Graph,
+                           capture=capture)
+    x = torch.randn(2, 4).t()  # 4 tokens, strides (1, 4)
+    graphed(x)  # warm-up and capture, both on the buffer
+    assert seen == [(1, 4), (1, 4)] and graphed._inputs == {}
+    assert torch.equal(graphed._graphs[4][1][0], x)
