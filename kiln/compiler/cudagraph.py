@@ -6,9 +6,9 @@ and keeps the first n rows of the result. Each compiled piece then replays the g
 that size: its per-token arguments are copied into persistent buffers the graph reads; weights and
 KV caches are the same tensors at every call. Each argument has one buffer of the largest size, whose
 first rows every size's graph reads, so the buffers take one batch's memory per piece, not one per
-size. Attention runs eagerly between the pieces. Above the
-largest capture size, pieces run without graphs. Graphs are captured largest first into one shared
-memory pool, and only at start-up: a capture while serving raises.
+size. Attention runs eagerly between the pieces. Above the largest capture size, pieces run without
+graphs. Graphs are captured largest first into one shared memory pool, and only at start-up: a
+capture while serving raises.
 """
 
 import bisect
