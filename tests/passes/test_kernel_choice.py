@@ -72,3 +72,20 @@ def test_measured_token_counts_and_timer():
     assert measured_tokens((1, 2048)) == (1, 2048) and measured_tokens((16, 16)) == (16,)
     assert measured_tokens((65, 100_000)) == (65, 4096)
     assert time_call(torch.add, [torch.ones(4), torch.ones(4)], repeats=3) > 0
+
+
+def test_a_twin_traces_to_its_kernel_with_the_launch_options():
+    """AOTAutograd (what Inductor compiles) sees through a twin to its Triton kernel and keeps the
+    launch's num_warps: what AOTInductor builds into the library."""
+    from functorch.compile import aot_function
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    graphs = []
+    with FakeTensorMode():
+        x = torch.randn(4, 2 * 20000)
+        aot_function(lambda x: torch.ops.kiln_triton.silu_and_mul(x), fw_compiler=lambda gm, _: graphs.append(gm) or gm)(x)
+    (node,) = [n for n in graphs[0].graph.nodes if "triton_kernel_wrapper" in str(n.target)]
+    kernel = kernel_side_table.get_kernel(node.kwargs["kernel_idx"])
+    assert kernel.fn.__name__ == "_silu_and_mul_kernel"
+    assert [config.num_warps for config in kernel.configs] == [16]  # row_warps(32768): 16, not Triton's 4
