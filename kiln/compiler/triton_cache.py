@@ -17,7 +17,6 @@ import json
 import logging
 import shutil
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.compiler import atomic
@@ -31,23 +30,14 @@ TRITON_STORE_BINARY_ONLY keeps the same); the IR files are ten times their size.
 GROUP_PREFIX = "__grp__"
 
 
-@dataclass
-class TritonBuild:
-    """One compiled kernel specialization in Triton's cache: its hash (the entry's directory),
-    the kernel's name and its files (name -> path)."""
-
-    hash: str
-    name: str
-    files: dict[str, str]
-
-
 class Recorder:
     """Within `with Recorder() as r:`, every kernel Triton compiles (`r.compiled`) or loads from its
-    cache (`r.builds` has both). Triton reports only what its in-memory cache misses: call
+    cache (`r.builds`, both: Triton's cache entry, named by its hash -> the entry's files, name ->
+    path). Triton reports only what its in-memory cache misses: call
     `forget_launched()` first to see kernels this process launched before."""
 
     def __init__(self):
-        self.builds: dict[str, TritonBuild] = {}
+        self.builds: dict[str, dict[str, str]] = {}
         self.compiled: list[str] = []
 
     def __enter__(self) -> "Recorder":
@@ -65,8 +55,7 @@ class Recorder:
         if self._previous is not None:
             self._previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
         files = dict(metadata_group)
-        entry = Path(next(iter(files.values()))).parent.name
-        self.builds[entry] = TritonBuild(entry, src.name, files)
+        self.builds[Path(next(iter(files.values()))).parent.name] = files
         if not cache_hit:
             self.compiled.append(src.name)
 
@@ -84,17 +73,18 @@ def forget_launched() -> None:
                 value.device_caches.clear()
 
 
-def pack(builds: dict[str, TritonBuild], dest: Path) -> list[str]:
-    """Copy each build's binary and metadata into `dest/<hash>/`; returns the relative paths written."""
+def pack(builds: dict[str, dict[str, str]], dest: Path) -> list[str]:
+    """Copy each recorded entry's binary and metadata into `dest/<hash>/`; returns the relative paths
+    written."""
     written = []
-    for build in builds.values():
-        for name, src in sorted(build.files.items()):
+    for entry, files in builds.items():
+        for name, src in sorted(files.items()):
             if not name.endswith(KEPT_SUFFIXES) or name.startswith(GROUP_PREFIX):
                 continue
-            target = Path(dest) / build.hash / name
+            target = Path(dest) / entry / name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, target)
-            written.append(f"{build.hash}/{name}")
+            written.append(f"{entry}/{name}")
     return written
 
 
