@@ -103,7 +103,9 @@ class AsyncEngine:
         return RequestStream(self, request_id, stream.outputs)
 
     def abort(self, request_id: str) -> None:
+        """Stop an unfinished request (its client left); counted as finish reason "abort"."""
         if self._streams.pop(request_id, None) is not None:
+            self.metrics.requests.labels("abort").inc()
             self._inbox.put(("abort", request_id))
             self._wake.set()
 

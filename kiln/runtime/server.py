@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (DESIGN.md section 7): FastAPI routes over an `AsyncEngine`.
 
 Every error, from malformed JSON to a prompt longer than the context, is answered in OpenAI's error
-shape with a 4xx; a client that disconnects mid-stream aborts its request.
+shape with a 4xx; a client that disconnects, mid-stream or while waiting for a whole answer, aborts
+its requests.
 """
 
 import asyncio
@@ -256,7 +257,7 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_m
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         prompts = _completion_prompts(body.prompt, tokenizer)
         streams = server.start(prompts, body, body.max_tokens, body.logprobs)
@@ -280,12 +281,14 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_m
         if body.stream:
             return _event_stream(streams, head, lambda i, out, chars, toks: choice(i, out, out.text[chars:], toks),
                                  prompt_tokens, body.stream_options)
-        finals = await _finals(streams)
+        finals = await _finals(streams, request)
+        if finals is None:
+            return Response(status_code=499)  # nobody reads it: nginx's status for a client that left
         return JSONResponse({**head, "choices": [choice(i, out, out.text, 0) for i, out in enumerate(finals)],
                              "usage": _usage(prompt_tokens, sum(len(o.token_ids) for o in finals))})
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest) -> Response:
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         text = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -318,7 +321,9 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_m
             roles = [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                            "finish_reason": None}]} for i in range(body.n)]
             return _event_stream(streams, head, chunk, prompt_tokens, body.stream_options, roles)
-        finals = await _finals(streams)
+        finals = await _finals(streams, request)
+        if finals is None:
+            return Response(status_code=499)  # nobody reads it: nginx's status for a client that left
         choices = [{"index": i, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs(out, 0),
                     "finish_reason": _reason(out)} for i, out in enumerate(finals)]
         return JSONResponse({"id": request_id, "object": "chat.completion", "created": created, "model": model_name,
@@ -369,13 +374,33 @@ def _completion_prompts(prompt, tokenizer: Tokenizer) -> list[tuple[list[int], s
     return [(list(p), None) for p in prompt]
 
 
-async def _finals(streams: list[RequestStream]) -> list[RequestOutput]:
-    """Each stream's finished output, in choice order (a client that leaves aborts them all)."""
-    finals: list[RequestOutput | None] = [None] * len(streams)
-    async for index, out in _merged(streams):
-        if out.finished:
-            finals[index] = out
-    return finals
+async def _finals(streams: list[RequestStream], request: Request) -> list[RequestOutput] | None:
+    """Each stream's finished output, in choice order; None if the client left first, which aborts
+    them all (Starlette cancels a streamed response on disconnect, but not a route still awaiting)."""
+
+    async def collect() -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async for index, out in _merged(streams):
+            if out.finished:
+                finals[index] = out
+        return finals
+
+    async def disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    answer, gone = asyncio.create_task(collect()), asyncio.create_task(disconnect())
+    try:
+        await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not answer.done():
+            answer.cancel()  # its `_merged` aborts the unfinished streams
+        await asyncio.gather(answer, gone, return_exceptions=True)
+    if answer.cancelled():
+        logger.info("client left %s before its answer: aborted %d request(s)", request.url.path, len(streams))
+        return None
+    return answer.result()
 
 
 def warm_up(llm) -> None:

@@ -153,6 +153,28 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(served):
     assert engine.engine.scheduler.kv_usage == 0
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": PROMPTS[0], "n": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[0]}]}),
+])
+def test_a_client_that_leaves_before_a_whole_answer_aborts_it(served, path, body):
+    base, engine = served
+    body = {"model": MODEL, "max_tokens": 200, "temperature": 0, "ignore_eos": True, **body}
+    aborted = _metric(base, 'kiln_requests_total{finish_reason="abort"}')
+    tokens = _metric(base, "kiln_generation_tokens_total")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base + path, json=body, timeout=httpx.Timeout(10, read=0.2))
+    deadline = time.time() + 10
+    while engine.num_requests and time.time() < deadline:
+        time.sleep(0.02)
+    assert engine.num_requests == 0
+    assert _metric(base, 'kiln_requests_total{finish_reason="abort"}') - aborted == body.get("n", 1)
+    assert _metric(base, "kiln_generation_tokens_total") - tokens < 200 * body.get("n", 1)
+    while engine.engine.has_unfinished() and time.time() < deadline:
+        time.sleep(0.02)
+    assert engine.engine.scheduler.kv_usage == 0
+
+
 @pytest.mark.parametrize("body, status, text", [
     ({"prompt": [1, -3, 4]}, 400, "outside the vocabulary"),
     ({"prompt": [1, 10**6]}, 400, "outside the vocabulary"),
