@@ -3,23 +3,28 @@
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from kiln.errors import KilnError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:  # torch is imported on use: the CLI parser reads these defaults before any work
+    import torch
+
+DTYPES = ("float32", "bfloat16", "float16")
+"""Activation dtypes, as manifests, keys and the CLI spell them."""
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: "torch.dtype") -> str:
     """"float32" for torch.float32: how manifests and keys spell a dtype."""
     return str(dtype).removeprefix("torch.")
 
 
-def parse_dtype(name: str) -> torch.dtype:
+def parse_dtype(name: str) -> "torch.dtype":
+    import torch
+
     if name not in DTYPES:
         raise KilnError(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)}")
-    return DTYPES[name]
+    return getattr(torch, name)
 
 
 @dataclass

@@ -53,6 +53,16 @@ def test_help_lists_commands():
     assert "generate" in out and "demo-model" in out
 
 
+def test_help_imports_no_torch():
+    """`kiln ... --help` answers in a fraction of a second: building the parser imports no torch."""
+    code = ("import sys\nfrom kiln.cli import main\nfor cmd in ('generate', 'compile', 'serve', 'demo-model', "
+            "'cache', 'bench'):\n    try:\n        main([cmd, '--help'])\n    except SystemExit:\n        pass\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'triton'}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_serve_from_the_artifact(demo_dirs, kiln_cache, llama_artifact, tmp_path):
     import httpx
 

@@ -11,8 +11,10 @@ like a real checkpoint.
 import logging
 from importlib.resources import files
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: `kiln --help` reads this module's constants
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +99,7 @@ def write_demo_model(
 ) -> Path:
     """Write config.json, safetensors weights and tokenizer files for a tiny model, trained on the
     demo corpus for `train_steps` steps (0: random weights)."""
+    import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
@@ -118,9 +121,10 @@ def write_demo_model(
     return out
 
 
-def train_on_corpus(model: torch.nn.Module, ids: list[int], steps: int, seed: int = 0,
+def train_on_corpus(model: "torch.nn.Module", ids: list[int], steps: int, seed: int = 0,
                     progress: bool | None = None, seq_len: int = 64, batch: int = 16, lr: float = 3e-3) -> float:
     """Next-token training on random windows of `ids` (AdamW, one-cycle schedule); returns the last loss."""
+    import torch
     from tqdm import tqdm
 
     data = torch.tensor(ids)
