@@ -78,8 +78,9 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text for a chat, rendered like transformers does (sandboxed Jinja)."""
+        from jinja2 import TemplateError
+
         if self._render is None:
-            from jinja2 import TemplateError
             from jinja2.sandbox import ImmutableSandboxedEnvironment
 
             def raise_exception(message: str):
@@ -88,8 +89,6 @@ class Tokenizer:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = raise_exception
             self._render = env.from_string(self.chat_template).render
-        from jinja2 import TemplateError
-
         specials = {k: _token_text(self._config.get(k)) or "" for k in ("bos_token", "eos_token")}
         try:
             return self._render(messages=messages, add_generation_prompt=add_generation_prompt, **specials)

@@ -2,7 +2,6 @@
 (uvicorn in a thread) over the demo llama's compiled artifact."""
 
 import asyncio
-import json
 import re
 import socket
 import threading
