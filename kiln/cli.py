@@ -136,16 +136,20 @@ def _llm(args: argparse.Namespace, compile: bool, **options):
 
 def _as_ranks(args: argparse.Namespace) -> None:
     """With --tensor-parallel-size N outside torchrun, run this same command as N ranks under
-    torchrun (this process becomes the launcher) and exit with its status."""
+    torchrun: this process becomes the launcher (exec), so a signal sent to it (SIGTERM from a
+    service manager) reaches torchrun, which stops the ranks, instead of orphaning them."""
     import os
-    import subprocess
 
     if args.tensor_parallel_size == 1 or "WORLD_SIZE" in os.environ:
         return
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(args.tensor_parallel_size), "-m", "kiln.cli", *args.argv]
     logger.info("starting %d ranks: %s", args.tensor_parallel_size, " ".join(cmd))
-    raise SystemExit(subprocess.call(cmd))
+    for handler in logging.getLogger().handlers + logging.getLogger("kiln").handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, cmd)
 
 
 def _cmd_generate(args: argparse.Namespace) -> None:
