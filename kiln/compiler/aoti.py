@@ -7,6 +7,7 @@ piece (kiln's) are called through a proxy executor that reads the op calls from 
 the library, named like it.
 """
 
+import json
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -89,7 +90,46 @@ def compile_library(graph: fx.GraphModule, examples: list, fake_mode) -> Compile
         library = libraries[0]
         calls = library.with_suffix(CALLS_SUFFIX)
         sources = {f.name.split(".", 1)[1]: f.read_text() for f in files if f.suffix == ".cpp"}
-        return CompiledLibrary(library.read_bytes(), calls.read_bytes() if calls.is_file() else None, sources)
+        table = calls.read_bytes() if calls.is_file() else None
+        if table is not None and PROXY_EXECUTOR_CASTS_DTYPES:
+            table = c10_dtype_numbers(table)
+        return CompiledLibrary(library.read_bytes(), table, sources)
+
+
+PROXY_EXECUTOR_CASTS_DTYPES = torch.torch_version.TorchVersion(torch.__version__) < (2, 12)
+"""torch 2.11's proxy executor casts a dtype argument's number in the call table (torch.export's
+numbering: float32 is 7) straight to a c10 ScalarType (where 7 is float64): pytorch#169157, fixed in
+2.12. Seen here: kiln's `scaled_mm(..., out_dtype=float32)` returned float64 under 2.11."""
+
+C10_SCALAR_TYPES = {
+    torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4, torch.float16: 5,
+    torch.float32: 6, torch.float64: 7, torch.bool: 11, torch.bfloat16: 15, torch.float8_e5m2: 23,
+    torch.float8_e4m3fn: 24, torch.float8_e5m2fnuz: 25, torch.float8_e4m3fnuz: 26,
+}
+"""c10's ScalarType numbers (c10/core/ScalarType.h), which its serialized formats fix."""
+
+
+def c10_dtype_numbers(table: bytes) -> bytes:
+    """The call table with each dtype argument renumbered from torch.export's numbering to c10's:
+    what a proxy executor that casts the number reads as the intended dtype."""
+    from torch._export.serde.serialize import _TORCH_TO_SERIALIZE_DTYPE
+
+    renumber = {_TORCH_TO_SERIALIZE_DTYPE[dtype].value: c10 for dtype, c10 in C10_SCALAR_TYPES.items()}
+
+    def visit(value):
+        if isinstance(value, dict):
+            if "as_scalar_type" in value:
+                number = value["as_scalar_type"]
+                if number not in renumber:
+                    raise KilnError(f"a custom op in this piece takes a dtype (serialized as {number}) that torch "
+                                    f"{torch.__version__}'s AOTInductor passes wrongly: use torch 2.12 or newer")
+                return {**value, "as_scalar_type": renumber[number]}
+            return {k: visit(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [visit(v) for v in value]
+        return value
+
+    return json.dumps(visit(json.loads(table))).encode()
 
 
 class LoadedLibrary:

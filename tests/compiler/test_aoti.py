@@ -1,0 +1,41 @@
+"""The AOTInductor call table's dtype arguments, renumbered for torch 2.11's proxy executor."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from kiln.compiler.aoti import C10_SCALAR_TYPES, PROXY_EXECUTOR_CASTS_DTYPES, c10_dtype_numbers
+from kiln.errors import KilnError
+
+
+def _number(x: torch.Tensor) -> int:
+    return x.dtype  # TorchScript's dtype is c10's ScalarType number
+
+
+def test_c10_numbers_are_the_ones_torch_uses():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TorchScript's deprecation
+        number = torch.jit.script(_number)
+    assert {d: number(torch.empty(0, dtype=d)) for d in C10_SCALAR_TYPES} == C10_SCALAR_TYPES
+
+
+def _table(*numbers: int) -> bytes:
+    inputs = [{"name": "a", "arg": {"as_tensor": {"name": "buf1"}}, "kind": 1}]
+    inputs += [{"name": f"d{i}", "arg": {"as_scalar_type": n}, "kind": 1} for i, n in enumerate(numbers)]
+    return json.dumps({"nodes": [{"name": "buf3", "node": {"target": "kiln::scaled_mm", "inputs": inputs}}]}).encode()
+
+
+def test_dtype_arguments_are_renumbered_and_nothing_else():
+    # torch.export numbers float32 7, bfloat16 13, int8 2, float8_e4m3fn 29; c10: 6, 15, 1, 24
+    table = json.loads(c10_dtype_numbers(_table(7, 13, 2, 29)))
+    inputs = table["nodes"][0]["node"]["inputs"]
+    assert [i["arg"] for i in inputs[1:]] == [{"as_scalar_type": n} for n in (6, 15, 1, 24)]
+    assert inputs[0] == json.loads(_table())["nodes"][0]["node"]["inputs"][0]
+    assert PROXY_EXECUTOR_CASTS_DTYPES == (torch.torch_version.TorchVersion(torch.__version__) < (2, 12))
+
+
+def test_a_dtype_without_a_c10_number_is_refused():
+    with pytest.raises(KilnError, match="torch 2.12 or newer"):
+        c10_dtype_numbers(_table(9))  # complex32
