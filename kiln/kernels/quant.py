@@ -66,9 +66,15 @@ def scaled_mm(
     b_row = b_scale.float().reshape(1, -1)
     if a.dtype == torch.int8:
         out = torch._int_mm(a, b.t()).float() * a_scale.float() * b_row
-    else:  # fp8: rowwise scales need one scale per row of a
+    elif not a.is_cuda:  # fp32 on the dequantized values: what torch 2.13's CPU _scaled_mm does for row scales
+        out = (a.float() @ b.float().t()) * a_scale.float() * b_row  # (2.11's refuses them)
+    elif out_dtype in (torch.bfloat16, torch.float16):  # cuBLAS scales rows in its epilogue, 16-bit outputs only
         a_col = a_scale.float().expand(a.shape[0], 1).contiguous()
-        out = torch._scaled_mm(a, b.t(), scale_a=a_col, scale_b=b_row, out_dtype=torch.float32)
+        return torch._scaled_mm(a, b.t(), scale_a=a_col, scale_b=b_row, out_dtype=out_dtype,
+                                bias=None if bias is None else bias.to(out_dtype))
+    else:  # fp32 out: unit per-tensor scales, then the row and column scales
+        one = a_scale.new_ones((), dtype=torch.float32)
+        out = torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.float32) * a_scale.float() * b_row
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)
