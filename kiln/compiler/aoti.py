@@ -132,6 +132,12 @@ def c10_dtype_numbers(table: bytes) -> bytes:
     return json.dumps(visit(json.loads(table))).encode()
 
 
+CUDA_GRAPH_SAFE = True
+"""The CUDA runner's `run_single_threaded`: skip the model container's bookkeeping, which queries a
+CUDA event before each run (illegal while a CUDA graph is being captured) and records one in the
+stream (a captured event, which the next query rejects). kiln runs each library from one thread."""
+
+
 class LoadedLibrary:
     """A compiled piece, loaded: called with the piece's arguments, it runs the library on the
     tensors among them and returns the library's outputs (a list of tensors)."""
@@ -140,7 +146,7 @@ class LoadedLibrary:
         if device == "cpu":
             runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(library), 1)
         elif device.startswith("cuda") and hasattr(torch._C._aoti, "AOTIModelContainerRunnerCuda"):
-            runner = torch._C._aoti.AOTIModelContainerRunnerCuda(str(library), 1, device)
+            runner = torch._C._aoti.AOTIModelContainerRunnerCuda(str(library), 1, device, "", CUDA_GRAPH_SAFE)
         else:
             raise KilnError(f"this torch cannot run AOTInductor libraries on {device!r}")
         self._run: Callable = runner.run  # the bound method keeps the runner, and the library, loaded

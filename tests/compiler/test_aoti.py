@@ -39,3 +39,24 @@ def test_dtype_arguments_are_renumbered_and_nothing_else():
 def test_a_dtype_without_a_c10_number_is_refused():
     with pytest.raises(KilnError, match="torch 2.12 or newer"):
         c10_dtype_numbers(_table(9))  # complex32
+
+
+def test_cuda_libraries_run_without_the_containers_event_bookkeeping(monkeypatch, tmp_path):
+    """The container's default run queries a CUDA event first, which a CUDA graph capture forbids: a
+    CUDA library must be loaded single-threaded (torch's runner has no CUDA here, so a stand-in
+    records how it is built)."""
+    from kiln.compiler.aoti import LoadedLibrary
+
+    built = []
+
+    class Runner:
+        def __init__(self, *args):
+            built.append(args)
+
+        def run(self, tensors):
+            return tensors
+
+    monkeypatch.setattr(torch._C._aoti, "AOTIModelContainerRunnerCuda", Runner, raising=False)
+    library = LoadedLibrary(tmp_path / "piece.so", (1,), device="cuda:0")
+    assert built == [(str(tmp_path / "piece.so"), 1, "cuda:0", "", True)]
+    assert library(3, "x") == ["x"]
