@@ -78,8 +78,8 @@ def _concrete(value, tokens: int, generator: torch.Generator):
     if not isinstance(value, torch.Tensor):
         return value
     shape = [tokens if isinstance(s, torch.SymInt) else int(s) for s in value.shape]
-    if value.dtype.is_floating_point and value.dtype.itemsize > 1:
-        return torch.randn(shape, dtype=value.dtype, device=value.device, generator=generator)
+    if value.dtype.is_floating_point and value.dtype.itemsize > 1:  # drawn on the CPU: `generator` is a CPU one
+        return torch.randn(shape, dtype=value.dtype, generator=generator).to(value.device)
     return torch.zeros(shape, dtype=value.dtype, device=value.device)
 
 
