@@ -10,6 +10,7 @@ import torch
 INT8_MAX = 127.0
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 _MIN_SCALE = 1e-10  # an all-zero token still gets a finite scale
+INT_MM_CUDA_MIN_ROWS = 16  # torch._int_mm on CUDA: "self.size(0) needs to be greater than 16"
 
 
 def _quant_native(x: torch.Tensor, scale: torch.Tensor | None, qmax: float, dtype: torch.dtype):
@@ -65,7 +66,10 @@ def scaled_mm(
     (both int8, or both float8_e4m3fn), accumulated in int32 / fp32."""
     b_row = b_scale.float().reshape(1, -1)
     if a.dtype == torch.int8:
-        out = torch._int_mm(a, b.t()).float() * a_scale.float() * b_row
+        m = a.shape[0]
+        if a.is_cuda and m <= INT_MM_CUDA_MIN_ROWS:  # zero rows up to the least cuBLAS's int8 GEMM takes
+            a = torch.cat([a, a.new_zeros(INT_MM_CUDA_MIN_ROWS + 1 - m, a.shape[1])])
+        out = torch._int_mm(a, b.t())[:m].float() * a_scale.float() * b_row
     elif not a.is_cuda:  # fp32 on the dequantized values: what torch 2.13's CPU _scaled_mm does for row scales
         out = (a.float() @ b.float().t()) * a_scale.float() * b_row  # (2.11's refuses them)
     elif out_dtype in (torch.bfloat16, torch.float16):  # cuBLAS scales rows in its epilogue, 16-bit outputs only

@@ -74,7 +74,7 @@ class Engine:
                                    min(config.max_num_seqs, config.max_num_batched_tokens))
         self.runner = ModelRunner(forward or model, model.compute_logits, kv_caches, config.block_size, device)
         self.scheduler = Scheduler(config, num_blocks)
-        self.default_generator = torch.Generator().manual_seed(seed)
+        self.default_generator = torch.Generator(device).manual_seed(seed)  # multinomial wants the logits' device
         self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else cfg.eos_token_ids)
         self._prompts: dict[str, str | None] = {}
         self._ids = itertools.count()
@@ -106,7 +106,7 @@ class Engine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._prompts:
             raise KilnError(f"request id {request_id!r} is already in use")
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        gen = torch.Generator(self.runner.device).manual_seed(params.seed) if params.seed is not None else None
         seq = Sequence(request_id, list(prompt_token_ids), params, gen)
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
