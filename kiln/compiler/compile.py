@@ -104,6 +104,9 @@ def _static_examples(examples: list, token_symbol: str, n: int) -> tuple[list, F
             constraint_sizes=[None] * value.dim(),
         )
         fake = mode.from_tensor(real, symbolic_context=context)
+        if fake.device != value.device:  # `real` is a lazily allocated CPU stand-in, whatever the device
+            with mode:
+                fake = fake.to(value.device)
         for size, new, d in zip(value.shape, fake.shape, dynamic):
             if d:
                 renamed.setdefault(str(size), new)

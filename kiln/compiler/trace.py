@@ -48,18 +48,19 @@ def _decompile_dynamo_code(fn) -> str:
 
 
 def _example_batch(model: CausalLM):
-    cfg, n = model.config, EXAMPLE_TOKENS
+    """A batch of one prefill on the model's device (its weights' device: Dynamo refuses a mix)."""
+    cfg, n, device = model.config, EXAMPLE_TOKENS, model.cos_sin_cache.device
     kv_caches = [
-        torch.zeros(2, 4, 16, model.layout.num_kv_heads, cfg.head_dim, dtype=model.dtype)
+        torch.zeros(2, 4, 16, model.layout.num_kv_heads, cfg.head_dim, dtype=model.dtype, device=device)
         for _ in range(cfg.num_layers)
     ]
     meta = AttentionMetadata(
-        slot_mapping=torch.arange(n),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=torch.arange(4, dtype=torch.int32)[None],
+        slot_mapping=torch.arange(n, device=device),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
+        block_tables=torch.arange(4, dtype=torch.int32, device=device)[None],
     )
-    ids, positions = torch.arange(n), torch.arange(n)
+    ids, positions = torch.arange(n, device=device), torch.arange(n, device=device)
     for t in (ids, positions, meta.slot_mapping):
         torch._dynamo.mark_dynamic(t, 0)
     for t in kv_caches:

@@ -69,3 +69,22 @@ def test_registered_splitting_op_adds_cuts(demo_dirs):
     finally:
         SPLITTING_OPS.discard(torch.ops.kiln.silu_and_mul)
     assert sum(p.is_splitting for p in pieces) == 8 and len(pieces) == 17  # 4 attentions + 4 MLP activations
+
+
+def test_a_model_off_the_cpu_traces_and_compiles_for_its_own_device(demo_dirs):
+    """Dynamo runs on the example batch: it must sit on the weights' device (a CUDA model traced on
+    CPU examples fails at the embedding), and so must a static size's examples. Checked with meta
+    weights, which fake tensors let mix with CPU ones silently."""
+    from kiln.compiler.compile import _static_examples
+    from kiln.models.config import ModelConfig
+    from kiln.models.registry import create_model
+
+    model = create_model(ModelConfig.from_model_dir(demo_dirs["llama"]), torch.float32, device="meta")
+    traced = trace_backbone(model)
+    examples = [n.meta["val"] for n in traced.graph.graph.find_nodes(op="placeholder")]
+    tensors = [v for v in examples if isinstance(v, torch.Tensor)]
+    assert {v.device.type for v in tensors} == {"meta"}
+    ids = next(i for i, spec in enumerate(traced.inputs) if spec.name == "input_ids")
+    static, _ = _static_examples(examples, str(examples[ids].shape[0]), 4)
+    assert [v.device for v in static if isinstance(v, torch.Tensor)] == [v.device for v in tensors]
+    assert static[ids].shape == (4,)
