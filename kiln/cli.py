@@ -48,7 +48,7 @@ def _shaped_model(args: argparse.Namespace):
     """The model `args` name, with uninitialized weights: compiling and keys need shapes and dtypes only."""
     from pathlib import Path
 
-    from kiln.config import ParallelConfig, parse_dtype
+    from kiln.config import ParallelConfig, parse_device, parse_dtype
     from kiln.models.config import ModelConfig
     from kiln.models.registry import create_model
 
@@ -56,7 +56,8 @@ def _shaped_model(args: argparse.Namespace):
         raise KilnError(f"model directory {args.model_dir} does not exist")
     # every rank compiles to the same graph (DESIGN.md section 8), so rank 0's serves them all
     parallel = ParallelConfig(rank=0, world_size=args.tensor_parallel_size)
-    model = create_model(ModelConfig.from_model_dir(Path(args.model_dir)), parse_dtype(args.dtype), parallel=parallel)
+    model = create_model(ModelConfig.from_model_dir(Path(args.model_dir)), parse_dtype(args.dtype),
+                         parse_device(args.device), parallel=parallel)
     if args.quantization:
         from kiln.models.quantization import quantize_model
 
@@ -121,6 +122,7 @@ def _llm(args: argparse.Namespace, compile: bool, **options):
     return LLM(
         args.model_dir,
         dtype=args.dtype,
+        device=args.device,
         compile=compile or args.require_artifact,
         cache_dir=args.cache_dir,
         require_artifact=args.require_artifact,
@@ -189,6 +191,9 @@ def _add_compile_options(parser: argparse.ArgumentParser, cache_dir: bool = True
     if cache_dir:
         parser.add_argument("--cache-dir", metavar="DIR", help="artifact cache (default $KILN_CACHE, else "
                             "~/.cache/kiln)")
+    parser.add_argument("--device", default="auto", metavar="auto|cpu|cuda|cuda:N", help="where the model runs, "
+                        "and so what the artifact is compiled for (default auto: cuda where a GPU is visible, "
+                        "else cpu)")
     parser.add_argument("--max-num-tokens", type=int, default=2048, metavar="N", help="largest batch in tokens "
                         "the compiled pieces serve (default 2048)")
     parser.add_argument("--quantization", choices=["int8", "fp8"], help="W8A8: weights per channel, "

@@ -27,6 +27,25 @@ def parse_dtype(name: str) -> "torch.dtype":
     return getattr(torch, name)
 
 
+def parse_device(name: str) -> "torch.device":
+    """A device name as the model's device: "auto" is the GPU where one is visible, else the CPU."""
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise KilnError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise KilnError(f"kiln runs on cpu or cuda, not {device.type!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise KilnError(f"device {name!r} asked for, but this torch sees no CUDA GPU: use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise KilnError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA GPUs")
+    return device
+
+
 @dataclass
 class EngineConfig:
     """How the runtime batches and caches: the knobs of the scheduler and the paged KV cache."""

@@ -5,8 +5,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from kiln.compiler.key import cache_key, model_factors
-from kiln.config import CompileConfig, EngineConfig, ParallelConfig, default_cache_dir, parse_dtype
+from kiln.config import CompileConfig, EngineConfig, ParallelConfig, default_cache_dir, parse_device, parse_dtype
 from kiln.errors import KilnError
 from kiln.models.config import ModelConfig
 from kiln.models.loader import load_weights
@@ -44,7 +46,7 @@ class LLM:
         dtype: str = "float32",
         compile: bool = False,
         seed: int = 0,
-        device: str = "cpu",
+        device: str = "auto",
         cache_dir: str | Path | None = None,
         require_artifact: bool = False,
         compile_config: CompileConfig | None = None,
@@ -59,8 +61,10 @@ class LLM:
         if not model_dir.is_dir():
             raise KilnError(f"model directory {model_dir} does not exist")
         self.model_config = ModelConfig.from_model_dir(model_dir)
-        self.parallel = _join_group(tensor_parallel_size, device)
-        self.model = create_model(self.model_config, parse_dtype(dtype), device, self.parallel)
+        chosen = parse_device(device)
+        self.parallel = _join_group(tensor_parallel_size, chosen.type)
+        self.device = _pin(chosen)
+        self.model = create_model(self.model_config, parse_dtype(dtype), self.device, self.parallel)
         load_weights(self.model, model_dir)
         if check_scheme(quantization):
             quantize_model(self.model, quantization)
@@ -138,6 +142,15 @@ class LLM:
                 if out.finished:
                     results[order[out.request_id]] = out
         return results
+
+
+def _pin(device: torch.device) -> torch.device:
+    """A CUDA device with its index, made this thread's current one: Triton launches on the current
+    device, whatever its tensors' (torchrun's ranks have theirs set by joining the group)."""
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        torch.cuda.set_device(device)
+    return device
 
 
 def _join_group(tensor_parallel_size: int, device: str) -> ParallelConfig:

@@ -48,6 +48,17 @@ def test_errors_are_one_line_without_traceback(tmp_path, setup, message):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("device, message", [("gpu", "unknown device 'gpu'"), ("mps", "not 'mps'"),
+                                             ("cuda:0", "sees no CUDA GPU: use --device cpu")])
+def test_a_device_it_cannot_use_is_one_line(demo_dirs, device, message):
+    import torch
+
+    if device == "cuda:0" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = kiln("compile", demo_dirs["llama"], "--device", device, check=False)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and message in proc.stderr
+
+
 def test_help_lists_commands():
     out = kiln("--help").stdout
     assert "generate" in out and "demo-model" in out

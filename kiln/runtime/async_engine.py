@@ -11,6 +11,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import torch
+
 from kiln.errors import KilnError
 from kiln.runtime.engine import Engine, RequestOutput
 from kiln.runtime.lockstep import StepFeed
@@ -112,6 +114,8 @@ class AsyncEngine:
     # -- the engine thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self.engine.runner.device.type == "cuda":  # a new thread starts on GPU 0; Triton launches on this one
+            torch.cuda.set_device(self.engine.runner.device)
         while not self._stop:
             self._drain()
             if not self.engine.has_unfinished():
