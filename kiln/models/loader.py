@@ -118,7 +118,7 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
                 param = params[pname]
                 tensor = _fit(name, _read(f, name, model.layout.shard(name), rows, path), param, rows, path)
                 if name.endswith(".input_scale"):
-                    torch.maximum(param.data, tensor.to(param.dtype), out=param.data)
+                    torch.maximum(param.data, tensor.to(param.device, param.dtype), out=param.data)
                 else:
                     param.data[offset : offset + rows].copy_(tensor)
                 loaded.add(name)

@@ -97,6 +97,18 @@ def test_merged_projection_takes_the_largest_input_scale(demo_dirs, calibration,
     assert layer.mlp.gate_up_proj.input_scale.item() == pytest.approx(amax["model.layers.1.mlp.up_proj"] / 127)
 
 
+def test_static_input_scales_load_onto_the_models_device(demo_dirs, calibration, tmp_path):
+    """The checkpoint's scales are read on the CPU; the model's may sit elsewhere (meta stands in for CUDA)."""
+    from kiln.models.config import ModelConfig
+    from kiln.models.loader import load_weights
+    from kiln.models.registry import create_model
+
+    ckpt = write_compressed(demo_dirs["llama"], tmp_path / "ckpt", "int8", input_amax=calibration["llama"])
+    model = create_model(ModelConfig.from_model_dir(ckpt), torch.float32, device="meta")
+    load_weights(model, ckpt)
+    assert model.model.layers[0].mlp.gate_up_proj.input_scale.device.type == "meta"
+
+
 def test_compiled_static_fp8_checkpoint_equals_eager(demo_dirs, calibration, tmp_path, kiln_cache):
     ckpt = write_compressed(demo_dirs["llama"], tmp_path / "fp8", "fp8", per_tensor=True,
                             input_amax=calibration["llama"])
