@@ -28,7 +28,7 @@ def _build_rope_kernel():
     positions = torch.empty(8, dtype=torch.int64, device="meta")
     cos_sin = torch.empty(512, 64, dtype=torch.bfloat16, device="meta")
     _, args, constexprs = rope_kv_cache.launch_arguments(positions, q, k, v, cos_sin, True, cache, positions,
-                                                         torch.empty_like(q), torch.empty_like(k))
+                                                         torch.empty_like(q))
     return compile_for_hopper(rope_kv_cache._rope_kv_kernel, args, constexprs)
 
 

@@ -70,7 +70,7 @@ def test_rope_kv_cache_write_compiles_for_hopper(is_neox, heads):
     positions = torch.empty(tokens, dtype=torch.int64, device="meta")
     cos_sin = torch.empty(8192, dim, dtype=torch.bfloat16, device="meta")
     _, args, constexprs = rope_kv_cache.launch_arguments(positions, q, k, v, cos_sin, is_neox, cache, positions,
-                                                         torch.empty_like(q), torch.empty_like(k))
+                                                         torch.empty_like(q))
     kernel = compile_for_hopper(rope_kv_cache._rope_kv_kernel, args, constexprs)
     assert kernel.metadata.shared <= SHARED_LIMIT and spilled_bytes(kernel) == 0
 

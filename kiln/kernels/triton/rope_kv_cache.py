@@ -30,7 +30,7 @@ def _rotate_rows(src_ptr, dst_ptr, heads, pos_cs_ptr, half, head_dim,
 
 
 @triton.jit
-def _rope_kv_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, q_out_ptr, k_tmp_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+def _rope_kv_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                     q_heads, kv_heads, head_dim, half, q_stride, k_stride, v_stride,
                     IS_NEOX: tl.constexpr, QH: tl.constexpr, KH: tl.constexpr, HALF: tl.constexpr,
                     DIM: tl.constexpr):
@@ -40,16 +40,14 @@ def _rope_kv_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, q_out_ptr, k_tmp_ptr, 
     _rotate_rows(q_ptr + t * q_stride, q_out_ptr + t * q_heads * head_dim, q_heads, cs, half, head_dim,
                  IS_NEOX, QH, HALF, DIM)
     slot = tl.load(slot_ptr + t)
-    if slot >= 0:
-        row = k_tmp_ptr + t * kv_heads * head_dim
-        _rotate_rows(k_ptr + t * k_stride, row, kv_heads, cs, half, head_dim, IS_NEOX, KH, HALF, DIM)
+    if slot >= 0:  # the key is rotated straight into its cache row: nothing is stored, then read back
+        row = slot * kv_heads * head_dim
+        _rotate_rows(k_ptr + t * k_stride, k_cache_ptr + row, kv_heads, cs, half, head_dim, IS_NEOX, KH, HALF, DIM)
         h = tl.arange(0, KH)[:, None]
         d = tl.arange(0, DIM)[None, :]
         m = (h < kv_heads) & (d < head_dim)
-        at = slot * kv_heads * head_dim + h * head_dim + d
-        tl.store(k_cache_ptr + at, tl.load(row + h * head_dim + d, mask=m).to(k_cache_ptr.dtype.element_ty), mask=m)
         v = tl.load(v_ptr + t * v_stride + h * head_dim + d, mask=m)
-        tl.store(v_cache_ptr + at, v.to(v_cache_ptr.dtype.element_ty), mask=m)
+        tl.store(v_cache_ptr + row + h * head_dim + d, v.to(v_cache_ptr.dtype.element_ty), mask=m)
 
 
 def rotary_embedding_kv_cache_write_triton(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
@@ -57,26 +55,24 @@ def rotary_embedding_kv_cache_write_triton(positions: torch.Tensor, query: torch
                                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
     """-> (rotated query, the ordering token), like the native op; `kv_cache` [2, blocks, block, heads, dim]."""
     tokens, q_heads, head_dim = query.shape
-    kv_heads = key.shape[1]
     q_out = torch.empty(tokens, q_heads, head_dim, dtype=query.dtype, device=query.device)
-    k_tmp = torch.empty(tokens, kv_heads, head_dim, dtype=key.dtype, device=key.device)
     for x in (query, key, value):
         assert x.stride(-1) == 1 and x.stride(-2) == head_dim, "rows of whole heads, as the projections give"
     if tokens:
         grid, args, constexprs = launch_arguments(positions, query, key, value, cos_sin_cache, is_neox, kv_cache,
-                                                  slot_mapping, q_out, k_tmp)
+                                                  slot_mapping, q_out)
         _rope_kv_kernel[grid](*args, **constexprs)
     return q_out, kv_cache.new_empty(0)
 
 
 def launch_arguments(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      cos_sin_cache: torch.Tensor, is_neox: bool, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                     q_out: torch.Tensor, k_tmp: torch.Tensor) -> tuple[tuple, tuple, dict]:
+                     q_out: torch.Tensor) -> tuple[tuple, tuple, dict]:
     """(grid, arguments, constexprs) of one launch. Nothing here varies with the batch but the
     grid, so a model needs one binary (per rotary style)."""
     tokens, q_heads, head_dim = query.shape
     kv_heads, half = key.shape[1], cos_sin_cache.shape[-1] // 2
-    args = (positions, query, key, value, cos_sin_cache, q_out, k_tmp, kv_cache[0], kv_cache[1], slot_mapping,
+    args = (positions, query, key, value, cos_sin_cache, q_out, kv_cache[0], kv_cache[1], slot_mapping,
             q_heads, kv_heads, head_dim, half, query.stride(0), key.stride(0), value.stride(0))
     constexprs = dict(IS_NEOX=is_neox, QH=triton.next_power_of_2(q_heads), KH=triton.next_power_of_2(kv_heads),
                       HALF=triton.next_power_of_2(half), DIM=triton.next_power_of_2(head_dim))
