@@ -90,8 +90,8 @@ def test_no_tokens():
 
 def test_register_makes_them_the_cuda_kernels():
     register()
-    for op in ("rms_norm", "fused_add_rms_norm_quant", "silu_and_mul_quant", "rotary_embedding_kv_cache_write",
-               "attention", "attention_quant"):
+    for op in ("rms_norm", "fused_add_rms_norm_quant", "silu_and_mul_quant", "kv_cache_write",
+               "rotary_embedding_kv_cache_write", "attention", "attention_quant"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kiln::{op}", "CUDA")
 
 
@@ -117,6 +117,23 @@ def test_rope_and_kv_cache_write(dtype, is_neox, rotary_dim):
     _close(got_q, want_q, dtype)
     _close(got_cache, want_cache, dtype)
     assert token.numel() == 0 and not got_cache.view(2, -1, kv_heads, dim)[:, [0, 2, 3, 4]].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_cache_write(dtype):
+    from kiln.kernels.kv_cache import kv_cache_write_native
+    from kiln.kernels.triton.kv_cache import kv_cache_write_triton
+
+    torch.manual_seed(4)
+    tokens, heads, kv_heads, dim = 5, 4, 2, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype, device=DEVICE)
+    _, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)  # strided views, as in the model
+    k, v = k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+    slots = torch.tensor([1, 17, -1, 5, 40], device=DEVICE)  # -1: a padded token writes nothing
+    want, got = (torch.zeros(2, 3, 16, kv_heads, dim, dtype=dtype, device=DEVICE) for _ in range(2))
+    kv_cache_write_native(k, v, want, slots)
+    assert kv_cache_write_triton(k, v, got, slots).numel() == 0
+    assert torch.equal(got, want) and want.any()
 
 
 def _paged_batch(q_heads, kv_heads, dim, dtype, shape, block_size=4, blocks=32):
