@@ -59,10 +59,18 @@ Timer = Callable[[Callable, Sequence], float]
 
 
 def time_call(fn: Callable, args: Sequence, repeats: int = 20) -> float:
-    """Median milliseconds of `fn(*args)` after a warm-up, synchronizing CUDA around each call."""
-    sync = torch.cuda.synchronize if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args) else (lambda: None)
+    """Median milliseconds of `fn(*args)`: on CUDA its GPU time, from a CUDA graph of back-to-back
+    calls (what a compiled piece pays, launched from C++ or replayed: Python's launch overhead, tens
+    of microseconds, would decide every small-batch choice); elsewhere wall time after a warm-up."""
     for _ in range(3):
         fn(*args)
+    on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+    if on_cuda:
+        try:
+            return _cuda_graph_ms(fn, args, repeats)
+        except RuntimeError as e:  # a candidate that cannot be captured is timed as launched
+            logger.info("timing without a CUDA graph (%s)", e)
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
     times = []
     for _ in range(repeats):
         sync()
@@ -70,6 +78,24 @@ def time_call(fn: Callable, args: Sequence, repeats: int = 20) -> float:
         fn(*args)
         sync()
         times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _cuda_graph_ms(fn: Callable, args: Sequence, calls: int, replays: int = 5) -> float:
+    """Median milliseconds of one call, replayed from a CUDA graph of `calls` calls."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn(*args)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
 
 
