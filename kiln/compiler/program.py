@@ -137,16 +137,17 @@ class CompiledProgram:
             piece.sealed = True
 
     def run_each_form(self, kv_caches: list[torch.Tensor], block_size: int) -> list[list[int]]:
-        """Run, for every variant, a batch of decodes and a prefill at a token count it serves,
-        writing nothing into the KV caches: every kernel binary the program launches from Python is
-        launched once (what `kiln compile` runs to build them). Returns the batches' query lengths."""
+        """Run every variant itself (not the one a token count picks: a static size would shadow a
+        range) on a batch of decodes and on a prefill, writing nothing into the KV caches: every
+        kernel binary the program launches from Python is launched once (what `kiln compile` runs to
+        build them). The prefill is one 2-token sequence plus decodes, so its positions stay within
+        any model's rotary table. Returns the batches' query lengths."""
         batches = []
-        for (low, high), _ in self.graph.routes:
-            batches.append([1] * low)  # decodes: one token per sequence
-            if high >= 2:
-                batches.append([max(low, 2)])  # a prefill
-        for query_lens in batches:
-            self(*_idle_batch(query_lens, kv_caches, block_size))
+        for (low, high), forward in self.graph.routes:
+            forms = [[1] * low] + ([[2] + [1] * (low - 2)] if high >= 2 else [])
+            for query_lens in forms:
+                forward(*self._arguments(*_idle_batch(query_lens, kv_caches, block_size)))
+            batches += forms
         return batches
 
     def __call__(
@@ -162,6 +163,13 @@ class CompiledProgram:
             input_ids, positions = pad_tokens(input_ids, size, 0), pad_tokens(positions, size, 0)
             attn_metadata = dataclasses.replace(attn_metadata, slot_mapping=pad_tokens(attn_metadata.slot_mapping,
                                                                                          size, -1))
+        out = self.graph(*self._arguments(input_ids, positions, kv_caches, attn_metadata))
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        return out[:n]
+
+    def _arguments(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                   attn_metadata: AttentionMetadata) -> list:
+        """The graph's arguments for this batch: the bound weights, the batch's tensors, the sizes."""
         batch = {"input_ids": input_ids, "positions": positions}
         args = list(self._bound)
         for i, spec in self._per_call:
@@ -173,9 +181,7 @@ class CompiledProgram:
                 args[i] = kv_caches[int(spec.name)]
         for i, of, dim in self._sizes:  # after the tensors: a size may precede the tensor it measures
             args[i] = args[of].shape[dim]
-        out = self.graph(*args)
-        out = out[0] if isinstance(out, (tuple, list)) else out
-        return out[:n]
+        return args
 
 
 def _idle_batch(query_lens: list[int], kv_caches: list[torch.Tensor], block_size: int) -> tuple:

@@ -129,7 +129,7 @@ def test_warm_up_runs_decodes_and_a_prefill_per_variant_and_writes_nothing(demo_
     batches = program.run_each_form(kv_caches, runner.block_size)
     want = []
     for (low, high), _ in routes:
-        want += [[1] * low] + ([[max(low, 2)]] if high >= 2 else [])
+        want += [[1] * low] + ([[2] + [1] * (low - 2)] if high >= 2 else [])
     assert len(want) >= 2 and batches == want and calls == [sum(b) for b in want]
     assert all(not c.any() for c in kv_caches)  # slots -1: nothing written
 
@@ -147,3 +147,22 @@ def test_ship_triton_kernels_runs_the_artifact_and_pins_what_it_built(demo_dirs,
     manifest = artifact.verify(path)
     assert manifest["triton_kernels"] == {"triton": triton.__version__, "files": {}}
     assert manifest["timings"]["triton_kernels"] > 0
+
+
+def test_warm_up_runs_every_variant_itself_at_small_positions():
+    """A static size must not take the batches meant for the range it sits in (each variant may
+    launch its own kernels), and a prefill at a range's lower bound keeps its positions small."""
+    from kiln.compiler.program import ByTokenCount, CompiledProgram, GraphInput
+
+    seen = []
+
+    def variant(name):
+        return lambda ids, positions, slots: seen.append((name, ids.shape[0], int(positions.max()))) or ids
+
+    inputs = [GraphInput("input", "input_ids"), GraphInput("input", "positions"), GraphInput("meta", "slot_mapping")]
+    routes = [((1, 1), variant("1")), ((2, 2), variant("2")), ((1, 64), variant("1-64")),
+              ((65, 128), variant("65-128"))]
+    program = CompiledProgram(ByTokenCount(routes, tokens_at=0), inputs, torch.nn.Module())
+    program.run_each_form([torch.zeros(2, 4, 16, 1, 8)], 16)
+    assert seen == [("1", 1, 0), ("2", 2, 0), ("2", 2, 1), ("1-64", 1, 0), ("1-64", 2, 1), ("65-128", 65, 0),
+                    ("65-128", 65, 1)]
