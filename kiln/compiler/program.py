@@ -159,10 +159,9 @@ class CompiledProgram:
     ) -> torch.Tensor:
         n = input_ids.shape[0]
         size = padded_size(n, self.capture_sizes) if self.capture_sizes else None
-        if size is not None and size != n:  # padded tokens: token 0, position 0, slot -1 (no KV write)
+        if size is not None and size != n:
             input_ids, positions = pad_tokens(input_ids, size, 0), pad_tokens(positions, size, 0)
-            attn_metadata = dataclasses.replace(attn_metadata, slot_mapping=pad_tokens(attn_metadata.slot_mapping,
-                                                                                         size, -1))
+            attn_metadata = _padded_metadata(attn_metadata, size - n)
         out = self.graph(*self._arguments(input_ids, positions, kv_caches, attn_metadata))
         out = out[0] if isinstance(out, (tuple, list)) else out
         return out[:n]
@@ -182,6 +181,20 @@ class CompiledProgram:
         for i, of, dim in self._sizes:  # after the tensors: a size may precede the tensor it measures
             args[i] = args[of].shape[dim]
         return args
+
+
+def _padded_metadata(meta: AttentionMetadata, pad: int) -> AttentionMetadata:
+    """`meta` with `pad` tokens more, each its own one-token sequence (token 0 at position 0, block 0)
+    with slot -1: it writes no KV cache, and a batch of decodes stays one (attention picks its decode
+    tiles when every sequence has one token)."""
+    seqs, qsl = meta.seq_lens.shape[0], meta.query_start_loc
+    return dataclasses.replace(
+        meta,
+        slot_mapping=pad_tokens(meta.slot_mapping, meta.slot_mapping.shape[0] + pad, -1),
+        query_start_loc=torch.cat([qsl, qsl[-1:] + torch.arange(1, pad + 1, dtype=qsl.dtype, device=qsl.device)]),
+        seq_lens=pad_tokens(meta.seq_lens, seqs + pad, 1),
+        block_tables=pad_tokens(meta.block_tables, seqs + pad, 0),
+    )
 
 
 def _idle_batch(query_lens: list[int], kv_caches: list[torch.Tensor], block_size: int) -> tuple:
