@@ -1,28 +1,40 @@
 """The CUDA path's checks and timings in one run (issue 9's "on a GPU" list).
 
-    python benchmarks/gpu_checks.py [--device cuda] [--dtype bfloat16] [--out results.json] [--skip-kernels]
+    python benchmarks/gpu_checks.py [--device cuda] [--dtype bfloat16] [--out results.json]
+                                    [--only STEP,STEP] [--work DIR] [--skip-kernels]
 
-1. agreement: on each demo architecture (random weights), compiled + piecewise CUDA graphs vs eager:
-   greedy tokens and their logprobs for the test prompts (bf16 tolerance: same tokens up to the
-   first near-tie, logprob gap reported);
-2. padding: three sequences decoding pad to the capture size 4; the same prompts with graphs off
-   (no padding): tokens and logprobs of the first n rows;
-3. batch-1 decode step: eager, compiled without graphs, compiled with graphs (median ms, one run);
-4. each fused op vs its unfused sequence through `torch.ops.kiln` (the Triton kernels on CUDA),
-   median microseconds at 1 and 64 tokens (benchmarks/fusions.py's pairs, on this device);
-5. the Triton kernel cases (tests/kernels/triton_cases.py, fp8 included) on this device;
-6. a serve start compiles nothing: a fresh process with an empty Triton cache loads the llama
-   artifact (graphs captured) and serves prompts of mixed lengths; counts Triton compiles (the
-   artifact's kernels should cover every launch), Inductor compiles and Dynamo frames.
+Steps (each runs on its own: one that fails records its traceback and the rest still run; `--out`
+is rewritten after every step, so a run cut short keeps what it measured):
+- triton_cases: the Triton kernel cases (tests/kernels/triton_cases.py, fp8 included) on this device;
+- fused_ops: each fused op vs its unfused sequence through `torch.ops.kiln` (the Triton kernels on
+  CUDA), median microseconds at 1 and 64 tokens (benchmarks/fusions.py's pairs, on this device);
+- agreement: on each demo architecture (random weights), compiled + piecewise CUDA graphs vs eager:
+  greedy tokens and their logprobs (bf16 tolerance: same tokens up to the first near-tie, logprob gap
+  reported);
+- padding: three sequences decoding pad to the capture size 4; the same prompts with graphs off (no
+  padding): tokens and logprobs of the first n rows;
+- decode_batch1: one decode step at batch 1, eager, compiled without graphs, compiled with graphs
+  (median ms, one run);
+- serve_start: a fresh process with an empty Triton cache loads the llama artifact (graphs captured)
+  and serves prompts of mixed lengths; counts Triton compiles (the artifact's kernels should cover
+  every launch), Inductor compiles and Dynamo frames;
+- quantized: int8 and fp8 (W8A8) llama, compiled + graphs vs eager;
+- unfused: the llama compiled with the RoPE + KV-write fusion off (its KV write inside the graphs) vs eager;
+- sampling: seeded temperature sampling through compiled + graphs twice gives the same tokens.
 
-On a CPU (`--device cpu`) it runs the same steps without graphs or Triton: a smoke test of the script.
+`--work DIR` keeps the demo models and artifacts between runs (steps after agreement reuse its
+llama and artifact cache). On a CPU (`--device cpu`) the same steps run without graphs or Triton:
+a smoke test of the script.
 """
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -33,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from harness import decode_step_seconds, emit, machine, median_seconds  # noqa: E402  (benchmarks/ is the script's dir)
 
 from kiln import LLM, SamplingParams  # noqa: E402
+from kiln.config import CompileConfig, PassConfig  # noqa: E402
 from kiln.models.demo import DEMO_ARCHS, write_demo_model  # noqa: E402
 from tests.oracle import PROMPTS  # noqa: E402
 
@@ -53,7 +66,7 @@ def _compare(got, want) -> dict:
 def agreement(work: Path, device: str, dtype: str) -> dict:
     out = {}
     for arch in DEMO_ARCHS:
-        model_dir = write_demo_model(work / arch, arch=arch, train_steps=0)
+        model_dir = _demo(work, arch)
         eager = LLM(model_dir, dtype=dtype, device=device).generate(PROMPTS, GREEDY)
         compiled = LLM(model_dir, dtype=dtype, device=device, compile=True, cache_dir=work / "cache")
         out[arch] = _compare(compiled.generate(PROMPTS, GREEDY), eager)
@@ -61,8 +74,14 @@ def agreement(work: Path, device: str, dtype: str) -> dict:
     return out
 
 
+def _demo(work: Path, arch: str) -> Path:
+    """The demo model of `arch` under `work`, written once (random weights)."""
+    model_dir = work / arch
+    return model_dir if (model_dir / "config.json").is_file() else write_demo_model(model_dir, arch=arch, train_steps=0)
+
+
 def padding(work: Path, device: str, dtype: str) -> dict:
-    model_dir = work / "llama"
+    model_dir = _demo(work, "llama")
     prompts = PROMPTS[:3]
     padded = LLM(model_dir, dtype=dtype, device=device, compile=True, cache_dir=work / "cache",
                  cudagraph_sizes=(1, 2, 4, 8))
@@ -73,7 +92,7 @@ def padding(work: Path, device: str, dtype: str) -> dict:
 
 
 def decode_batch1(work: Path, device: str, dtype: str, steps: int) -> dict:
-    model_dir = work / "llama"
+    model_dir = _demo(work, "llama")
     llms = {"eager": LLM(model_dir, dtype=dtype, device=device),
             "compiled": LLM(model_dir, dtype=dtype, device=device, compile=True, cache_dir=work / "cache",
                             cudagraph_sizes=()),
@@ -133,17 +152,18 @@ print(json.dumps({"start_s": round(ready, 2), "kiln": dict(counters),
 
 def serve_start(work: Path, device: str, dtype: str) -> dict:
     """Serve the llama artifact (compiled by the steps before) in a fresh process whose Triton cache
-    is empty: only the artifact's kernels are there to find."""
-    import json
-
+    is empty: only the artifact's kernels are there to find. Also lists the shared libraries Triton
+    wrote there (its per-kernel launchers and driver utilities, built with the C compiler by Triton
+    3.6 at first launch, which no compilation listener reports)."""
     from kiln.compiler import artifact
 
     prompts = [p * k for k, p in enumerate(PROMPTS, 1)]  # lengths from a few tokens to many: decodes and prefills
     with tempfile.TemporaryDirectory(prefix="kiln-triton-cache-") as triton_cache:
         env = {**os.environ, "TRITON_CACHE_DIR": triton_cache}
-        proc = subprocess.run([sys.executable, "-c", SERVE_START, str(work / "llama"), dtype, device,
+        proc = subprocess.run([sys.executable, "-c", SERVE_START, str(_demo(work, "llama")), dtype, device,
                                str(work / "cache"), json.dumps(prompts)], capture_output=True, text=True, env=env,
                               cwd=ROOT)
+        libraries = sorted(f.name for f in Path(triton_cache).rglob("*.so"))
     if proc.returncode != 0:
         print("serve start failed:", proc.stderr[-3000:], flush=True)
         return {"returncode": proc.returncode}
@@ -152,8 +172,68 @@ def serve_start(work: Path, device: str, dtype: str) -> dict:
                for p in (work / "cache").iterdir() if (p / artifact.MANIFEST).is_file()]
     result["artifact_triton_files"] = sorted(len(f) for f in shipped)
     result["triton_kernels_compiled"] = result["kiln"].get("triton_kernels_compiled", 0)
+    result["triton_libraries_built"] = libraries
     print("serve start", result, flush=True)
     return result
+
+
+def quantized(work: Path, device: str, dtype: str) -> dict:
+    """W8A8 on the GPU: int8 (cuBLAS's int8 GEMM) and fp8 (row-scaled _scaled_mm), compiled + graphs vs eager."""
+    out = {}
+    for scheme in ("int8", "fp8"):
+        eager = LLM(_demo(work, "llama"), dtype=dtype, device=device, quantization=scheme).generate(PROMPTS, GREEDY)
+        compiled = LLM(_demo(work, "llama"), dtype=dtype, device=device, quantization=scheme, compile=True,
+                       cache_dir=work / "cache")
+        out[scheme] = _compare(compiled.generate(PROMPTS, GREEDY), eager)
+        out[scheme]["kernel_choices"] = _kernel_choices(compiled)
+        print(scheme, out[scheme], flush=True)
+    return out
+
+
+def _kernel_choices(llm: LLM) -> list:
+    manifest = json.loads((llm.artifact_path / "manifest.json").read_text())
+    return [(c["op"], c["kernel"], c["tokens"], c["triton_ms"], c["inductor_ms"])
+            for v in manifest["variants"] for c in v["kernel_choices"]]
+
+
+def unfused(work: Path, device: str, dtype: str) -> dict:
+    """The RoPE + KV-write fusion off: the plain KV-cache write runs inside the captured graphs."""
+    config = CompileConfig(passes=PassConfig(rope_kvcache=False))
+    eager = LLM(_demo(work, "llama"), dtype=dtype, device=device).generate(PROMPTS, GREEDY)
+    compiled = LLM(_demo(work, "llama"), dtype=dtype, device=device, compile=True, cache_dir=work / "cache",
+                   compile_config=config)
+    result = _compare(compiled.generate(PROMPTS, GREEDY), eager)
+    print("unfused", result, flush=True)
+    return result
+
+
+def sampling(work: Path, device: str, dtype: str) -> dict:
+    """Seeded sampling on the GPU (its generators on the device): the same seeds, the same tokens."""
+    llm = LLM(_demo(work, "llama"), dtype=dtype, device=device, compile=True, cache_dir=work / "cache")
+    params = [SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    first, second = (llm.generate(PROMPTS, params) for _ in range(2))
+    result = {"same_tokens": [a.token_ids == b.token_ids for a, b in zip(first, second)],
+              "distinct_outputs": len({tuple(o.token_ids) for o in first})}
+    print("sampling", result, flush=True)
+    return result
+
+
+STEPS = ("triton_cases", "fused_ops", "agreement", "padding", "decode_batch1", "serve_start", "quantized", "unfused",
+         "sampling")
+
+
+def _run_step(results: dict, name: str, fn, out: Path | None) -> None:
+    """Run one step into `results[name]`; a failure is recorded with its traceback, not raised."""
+    start = time.perf_counter()
+    try:
+        results[name] = fn()
+    except Exception:
+        results[name] = {"error": traceback.format_exc()[-6000:]}
+        print(f"step {name} failed:\n{results[name]['error']}", flush=True)
+    results.setdefault("step_seconds", {})[name] = round(time.perf_counter() - start, 1)
+    if out:
+        Path(out).write_text(json.dumps(results, indent=2) + "\n")
 
 
 def main() -> None:
@@ -163,20 +243,34 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed at batch 1 (default 64)")
     parser.add_argument("--tokens", default="1,64", help="token counts for the fused-op timings")
     parser.add_argument("--skip-kernels", action="store_true", help="skip the Triton kernel cases")
-    parser.add_argument("--out", type=Path, help="write the JSON results here too")
+    parser.add_argument("--only", help=f"comma-separated steps to run (default all: {','.join(STEPS)})")
+    parser.add_argument("--work", type=Path, help="keep demo models and artifacts here (default: a temporary dir)")
+    parser.add_argument("--out", type=Path, help="write the JSON results here too (after every step)")
     args = parser.parse_args()
+    steps = args.only.split(",") if args.only else [s for s in STEPS if not (args.skip_kernels and s == "triton_cases")]
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown:
+        parser.error(f"unknown steps {unknown}: choose from {', '.join(STEPS)}")
     results: dict = {"machine": machine(), "device": args.device, "dtype": args.dtype}
     if args.device.startswith("cuda"):
         results["gpu"] = torch.cuda.get_device_name()
     with tempfile.TemporaryDirectory(prefix="kiln-bench-cuda-") as tmp:
-        work = Path(tmp)
-        results["agreement"] = agreement(work, args.device, args.dtype)
-        results["padding"] = padding(work, args.device, args.dtype)
-        results["decode_batch1"] = decode_batch1(work, args.device, args.dtype, args.steps)
-        results["serve_start"] = serve_start(work, args.device, args.dtype)
-    results["fused_ops"] = fused_ops(args.device, [int(t) for t in args.tokens.split(",")])
-    if not args.skip_kernels:
-        results["triton_cases"] = kernel_cases(args.device)
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        d, t = args.device, args.dtype
+        run = {
+            "triton_cases": lambda: kernel_cases(d),
+            "fused_ops": lambda: fused_ops(d, [int(n) for n in args.tokens.split(",")]),
+            "agreement": lambda: agreement(work, d, t),
+            "padding": lambda: padding(work, d, t),
+            "decode_batch1": lambda: decode_batch1(work, d, t, args.steps),
+            "serve_start": lambda: serve_start(work, d, t),
+            "quantized": lambda: quantized(work, d, t),
+            "unfused": lambda: unfused(work, d, t),
+            "sampling": lambda: sampling(work, d, t),
+        }
+        for name in steps:
+            _run_step(results, name, run[name], args.out)
     emit(results, args.out)
 
 
