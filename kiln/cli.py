@@ -132,6 +132,7 @@ def _llm(args: argparse.Namespace, compile: bool, **options):
         max_num_batched_tokens=args.max_num_tokens,
         tensor_parallel_size=args.tensor_parallel_size,
         cudagraph_sizes=() if args.no_cudagraphs else args.cudagraph_sizes,
+        **({"kv_cache_memory_bytes": args.kv_cache_memory} if args.kv_cache_memory else {}),
         **options,
     )
 
@@ -213,6 +214,10 @@ def _add_compile_options(parser: argparse.ArgumentParser, cache_dir: bool = True
 
 
 def _add_cudagraph_options(parser: argparse.ArgumentParser) -> None:
+    from kiln.cache_tools.units import parse_size
+
+    parser.add_argument("--kv-cache-memory", type=_units(parse_size), metavar="SIZE", help="memory for the paged "
+                        "KV cache, e.g. 8G (default 1G); it never exceeds max-num-seqs full sequences")
     parser.add_argument("--cudagraph-sizes", type=_sizes, default=None, metavar="N,N,...", help="token counts to "
                         "pad batches to and capture piecewise CUDA graphs at, at start-up (default on CUDA: 1,2,4,8,"
                         "16,... up to max-num-seqs; on CPU none: there are no graphs, padding only costs)")

@@ -59,6 +59,12 @@ def test_a_device_it_cannot_use_is_one_line(demo_dirs, device, message):
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and message in proc.stderr
 
 
+def test_a_kv_cache_too_small_for_one_sequence_names_the_options(demo_dirs):
+    proc = kiln("generate", demo_dirs["llama"], "--prompt", "x", "--kv-cache-memory", "64K", check=False)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1
+    assert "the KV cache holds 32 tokens" in proc.stderr and "(--kv-cache-memory)" in proc.stderr
+
+
 def test_help_lists_commands():
     out = kiln("--help").stdout
     assert "generate" in out and "demo-model" in out

@@ -66,7 +66,8 @@ class Engine:
         if num_blocks * config.block_size < self.max_model_len:
             raise KilnError(
                 f"the KV cache holds {num_blocks * config.block_size} tokens, less than max_model_len "
-                f"{self.max_model_len}: raise kv_cache_memory_bytes or lower max_model_len"
+                f"{self.max_model_len}: raise kv_cache_memory_bytes (--kv-cache-memory) or lower max_model_len "
+                "(--max-model-len)"
             )
         kv_caches = allocate_kv_caches(cfg, num_blocks, config.block_size, dtype, device, kv_heads)
         if forward is not None and hasattr(forward, "capture_graphs"):  # a compiled program: pad, and graph on CUDA
@@ -131,7 +132,8 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.has_unfinished():
-                raise KilnError("the scheduler could place no request in the KV cache: raise kv_cache_memory_bytes")
+                raise KilnError("the scheduler could place no request in the KV cache: raise kv_cache_memory_bytes "
+                               "(--kv-cache-memory)")
             return []
         rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)) if n == s.num_pending]
         logits = self.runner.execute(batch, rows)
