@@ -116,7 +116,7 @@ def save(
     library's C++ is added under debug/inductor/.
     """
     path = Path(path)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
+    tmp = atomic.shareable(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
     try:
         for folder in ("blobs", PROGRAMS):
             (tmp / folder).mkdir()

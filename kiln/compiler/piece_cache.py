@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import fx
 
+from kiln.compiler import atomic
 from kiln.compiler.aoti import CompiledLibrary
 from kiln.compiler.key import kiln_source_hash, python_version, system_info
 
@@ -156,7 +157,7 @@ class PieceCache:
         entry = self.root / key
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=self.root))
+            tmp = atomic.shareable(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=self.root))
         except OSError as e:
             logger.warning("could not keep compiled piece %s in %s: %s", key[:12], self.root, e)
             return

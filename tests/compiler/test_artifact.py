@@ -209,6 +209,19 @@ def test_key_covers_what_changes_code_and_not_weights(tmp_path, demo_dirs):
     assert len({base, *(_key(demo_dirs[a]) for a in ("mistral", "qwen2", "qwen3"))}) == 4
 
 
+def test_an_artifact_and_its_rewritten_files_are_readable_to_others_as_the_umask_allows(llama_artifact, tmp_path):
+    """tempfile makes 0700 folders and 0600 files: a cache shared by several users needs the usual modes."""
+    from kiln.compiler import atomic
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert llama_artifact.stat().st_mode & 0o777 == 0o777 & ~umask
+    atomic.write_bytes(tmp_path / "f", b"x")
+    assert (tmp_path / "f").stat().st_mode & 0o777 == 0o666 & ~umask
+    pieces = Path(os.environ["KILN_PIECE_CACHE"])
+    assert {p.stat().st_mode & 0o777 for p in pieces.iterdir() if p.is_dir()} == {0o777 & ~umask}
+
+
 def test_manifest_records_factors_contract_and_timings(llama_artifact):
     manifest = json.loads((llama_artifact / "manifest.json").read_text())
     assert manifest["key"] == llama_artifact.name == cache_key(manifest["factors"])
