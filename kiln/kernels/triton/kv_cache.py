@@ -9,19 +9,24 @@ import triton.language as tl
 
 
 @triton.jit
+def copy_rows(src_ptr, dst_ptr, heads, head_dim, HEADS: tl.constexpr, DIM: tl.constexpr):
+    """Copy `heads` rows of `head_dim` from src into dst (both row-major [heads, head_dim]), in dst's dtype."""
+    h = tl.arange(0, HEADS)[:, None]
+    d = tl.arange(0, DIM)[None, :]
+    m = (h < heads) & (d < head_dim)
+    x = tl.load(src_ptr + h * head_dim + d, mask=m)
+    tl.store(dst_ptr + h * head_dim + d, x.to(dst_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
 def _kv_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, kv_heads, head_dim, k_stride, v_stride,
                      KH: tl.constexpr, DIM: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
-        h = tl.arange(0, KH)[:, None]
-        d = tl.arange(0, DIM)[None, :]
-        m = (h < kv_heads) & (d < head_dim)
-        row = slot * kv_heads * head_dim + h * head_dim + d
-        k = tl.load(k_ptr + t * k_stride + h * head_dim + d, mask=m)
-        tl.store(k_cache_ptr + row, k.to(k_cache_ptr.dtype.element_ty), mask=m)
-        v = tl.load(v_ptr + t * v_stride + h * head_dim + d, mask=m)
-        tl.store(v_cache_ptr + row, v.to(v_cache_ptr.dtype.element_ty), mask=m)
+        row = slot * kv_heads * head_dim
+        copy_rows(k_ptr + t * k_stride, k_cache_ptr + row, kv_heads, head_dim, KH, DIM)
+        copy_rows(v_ptr + t * v_stride, v_cache_ptr + row, kv_heads, head_dim, KH, DIM)
 
 
 def kv_cache_write_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.kernels.triton.kv_cache import copy_rows
+
 
 @triton.jit
 def _rotate_rows(src_ptr, dst_ptr, heads, pos_cs_ptr, half, head_dim,
@@ -43,11 +45,7 @@ def _rope_kv_kernel(pos_ptr, q_ptr, k_ptr, v_ptr, cs_ptr, q_out_ptr, k_cache_ptr
     if slot >= 0:  # the key is rotated straight into its cache row: nothing is stored, then read back
         row = slot * kv_heads * head_dim
         _rotate_rows(k_ptr + t * k_stride, k_cache_ptr + row, kv_heads, cs, half, head_dim, IS_NEOX, KH, HALF, DIM)
-        h = tl.arange(0, KH)[:, None]
-        d = tl.arange(0, DIM)[None, :]
-        m = (h < kv_heads) & (d < head_dim)
-        v = tl.load(v_ptr + t * v_stride + h * head_dim + d, mask=m)
-        tl.store(v_cache_ptr + row + h * head_dim + d, v.to(v_cache_ptr.dtype.element_ty), mask=m)
+        copy_rows(v_ptr + t * v_stride, v_cache_ptr + row, kv_heads, head_dim, KH, DIM)
 
 
 def rotary_embedding_kv_cache_write_triton(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
