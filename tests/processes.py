@@ -83,3 +83,19 @@ def serving(cmd: list[str], port: int, log: Path, env: dict | None = None, timeo
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def processes_with(*args: str) -> list[int]:
+    """Live processes whose command line holds `args` in a row (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        words = [w.decode(errors="replace") for w in cmdline]
+        if any(words[i:i + len(args)] == list(args) for i in range(len(words))):
+            found.append(int(entry.name))
+    return found

@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -14,7 +13,7 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.models.demo import DEMO_ARCHS
-from tests.processes import free_port, run_ranks, serving
+from tests.processes import free_port, processes_with, run_ranks, serving
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
 PROMPTS = ["The kiln was", "Clay and fire"]
@@ -106,24 +105,8 @@ def test_serve_launches_two_ranks_that_answer_like_one(two_ranks, demo_dirs, kil
     log = (tmp_path / "serve.log").read_text()
     assert "starting 2 ranks" in log and "rank 1 follows rank 0's engine" in log
     deadline = time.time() + 10
-    while _processes_with("--port", str(port)) and time.time() < deadline:
+    while processes_with("--port", str(port)) and time.time() < deadline:
         time.sleep(0.2)
-    assert _processes_with("--port", str(port)) == []  # SIGTERM to `kiln serve` stopped its ranks too
+    assert processes_with("--port", str(port)) == []  # SIGTERM to `kiln serve` stopped its ranks too
     assert texts == [o.text for o in LLM(demo_dirs["llama"]).generate(PROMPTS, SamplingParams(max_tokens=8,
                                                                                                temperature=0))]
-
-
-def _processes_with(*args: str) -> list[int]:
-    """Live processes whose command line holds `args` in a row (Linux /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        words = [w.decode(errors="replace") for w in cmdline]
-        if any(words[i:i + len(args)] == list(args) for i in range(len(words))):
-            found.append(int(entry.name))
-    return found
