@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from kiln.compiler.aoti import C10_SCALAR_TYPES, PROXY_EXECUTOR_CASTS_DTYPES, c10_dtype_numbers
+from kiln.compiler.aoti import C10_SCALAR_TYPES, c10_dtype_numbers
 from kiln.errors import KilnError
 
 
@@ -33,7 +33,6 @@ def test_dtype_arguments_are_renumbered_and_nothing_else():
     inputs = table["nodes"][0]["node"]["inputs"]
     assert [i["arg"] for i in inputs[1:]] == [{"as_scalar_type": n} for n in (6, 15, 1, 24)]
     assert inputs[0] == json.loads(_table())["nodes"][0]["node"]["inputs"][0]
-    assert PROXY_EXECUTOR_CASTS_DTYPES == (torch.torch_version.TorchVersion(torch.__version__) < (2, 12))
 
 
 def test_a_dtype_without_a_c10_number_is_refused():
