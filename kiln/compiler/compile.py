@@ -380,10 +380,11 @@ def build_artifact(
             },
         )
         timings["save"] = time.perf_counter() - start
-        if next(model.parameters()).device.type == "cuda" and model.layout.world_size > 1:
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        if on_cuda and model.layout.world_size > 1:
             # running the program needs every rank in its collectives, and only this one holds the lock
             logger.info("tensor-parallel artifact: its Triton kernels are not shipped, they compile at first launch")
-        elif next(model.parameters()).device.type == "cuda":
+        elif on_cuda:
             start = time.perf_counter()
             try:
                 ship_triton_kernels(path, model)
