@@ -213,7 +213,7 @@ def _add_compile_options(parser: argparse.ArgumentParser, cache_dir: bool = True
                         help=f"turn off one of kiln's passes ({', '.join(pass_names)}); repeatable")
 
 
-def _add_cudagraph_options(parser: argparse.ArgumentParser) -> None:
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     from kiln.cache_tools.units import parse_size
 
     parser.add_argument("--kv-cache-memory", type=_units(parse_size), metavar="SIZE", help="memory for the paged "
@@ -370,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--require-artifact", action="store_true", help="run the compiled artifact and fail if it is "
                      "absent or unusable instead of compiling (implies --compile)")
     _add_compile_options(gen)
-    _add_cudagraph_options(gen)
+    _add_engine_options(gen)
     gen.set_defaults(func=_cmd_generate)
 
     comp = sub.add_parser("compile", help="trace and compile a model into a cached artifact",
@@ -416,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and "
                      "activations dtype (default float32)")
     _add_compile_options(srv)
-    _add_cudagraph_options(srv)
+    _add_engine_options(srv)
     srv.set_defaults(func=_cmd_serve)
 
     demo = sub.add_parser("demo-model", help="write a tiny model kiln can run (nothing is downloaded)",
