@@ -91,7 +91,8 @@ class PassConfig:
     act_quant: bool = True
     """SiLU*Mul -> activation quant => one fused op."""
     rope_kvcache: bool = True
-    """Rotary embedding -> KV-cache write of the rotated key => one fused op."""
+    """Rotary embedding -> KV-cache write of the rotated key => one fused op (CUDA graphs only: on CPU
+    the rotary is left to Inductor, which fuses it with the QKV projection's epilogue)."""
     attn_quant: bool = True
     """Attention -> static quant of its output => attention writing quantized output."""
     lowering: bool = True
@@ -99,6 +100,9 @@ class PassConfig:
     kernel_choice: bool = True
     """On CUDA, lowering first times each norm/activation op's Triton kernel against Inductor's code
     for it and keeps the kernel where it is faster (recorded in the manifest); off: Inductor's always."""
+    gemm_choice: bool = True
+    """On CPU, lowering times each projection's oneDNN kernel on a weight packed at load against
+    torch's GEMM on the weight as loaded, and keeps the faster (recorded in the manifest)."""
 
 
 @dataclass(frozen=True)

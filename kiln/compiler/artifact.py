@@ -137,7 +137,8 @@ def save(
             program = _write_file(tmp / PROGRAMS / f"{i}.py", variant["program"].encode())
             variant_entries.append({"ranges": [list(r) for r in variant["ranges"]], "sizes": list(variant["sizes"]),
                                     "program": program, "pieces": entries, "passes": variant["passes"],
-                                    "kernel_choices": variant.get("kernel_choices", [])})
+                                    "kernel_choices": variant.get("kernel_choices", []),
+                                    "gemm_choices": variant.get("gemm_choices", [])})
         debug_entries = {}
         for rel, text in sorted(debug.items()):
             (tmp / "debug" / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -365,7 +366,8 @@ def load(path: Path, model: nn.Module) -> CompiledProgram:
     inputs = [GraphInput(e["kind"], e["name"], e.get("of"), e.get("dim")) for e in manifest["inputs"]]
     _check_weights(manifest["inputs"], model)
     logger.info("loaded artifact %s: %d blobs in %.2fs", path.name, len(blobs), time.perf_counter() - start)
-    program = CompiledProgram(ByTokenCount(routes, tokens_at), inputs, model)
+    program = CompiledProgram(ByTokenCount(routes, tokens_at), inputs, model, manifest.get("weight_formats"),
+                              (manifest.get("lm_head") or {}).get("format"))
     program.lease = lease  # held while the program lives: `kiln cache prune` leaves this key alone
     return program
 

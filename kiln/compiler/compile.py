@@ -35,7 +35,8 @@ from kiln.compiler.trace import TracedBackbone, trace_backbone
 from kiln.compiler.workers import CompileJob, compile_jobs, probe_cpu_in_background
 from kiln.config import CompileConfig, dtype_name
 from kiln.models.llama import CausalLM
-from kiln.passes import GraphPass, PassManager
+from kiln.errors import KilnError
+from kiln.passes import GraphPass, PassManager, gemm_choice
 from kiln.passes.base import SizeRange
 from kiln.passes.manager import PassReport
 
@@ -207,6 +208,32 @@ class VariantBuild:
     pieces: dict[str, PieceBuild]
 
 
+def _weight_formats(traced: TracedBackbone, variants: list[VariantBuild]) -> dict[str, str]:
+    """The packed weights every variant's projections read (weight name -> format). A weight is packed
+    once for all variants, so they must agree (the GEMM choice is made once per compile)."""
+    placeholders = [n.target for n in traced.graph.graph.find_nodes(op="placeholder")]
+    names = {target: spec.name for target, spec in zip(placeholders, traced.inputs)}
+    formats: dict[str, str] = {}
+    for variant in variants:
+        for target, fmt in variant.report.weight_formats.items():
+            name = names[target]
+            if formats.setdefault(name, fmt) != fmt:
+                raise KilnError(f"weight {name} is packed as {formats[name]} in one variant and {fmt} in another")
+    return formats
+
+
+def _lm_head_choice(model: CausalLM, compile_config: CompileConfig) -> dict | None:
+    """On CPU, whether the LM head (outside the compiled graph) runs on a packed weight: measured at
+    the batch sizes it sees (one row per sequence sampled in a step)."""
+    weight = model.lm_head_weight()
+    if not compile_config.passes.gemm_choice or weight.device.type != "cpu" or not weight.dtype.is_floating_point:
+        return None
+    tokens = tuple(sorted({1, min(gemm_choice.DECODE_TOKENS, compile_config.max_num_tokens)}))
+    choice = gemm_choice.lm_head_choice(weight.detach(), tokens)
+    logger.info("LM head %s: %s (%s)", list(weight.shape), choice.kernel, choice.ms)
+    return {"format": None if choice.kernel == "aten" else choice.kernel, "choice": choice.as_dict()}
+
+
 @dataclass
 class CompileResult:
     path: Path
@@ -321,7 +348,8 @@ def build_artifact(
     A file lock per key makes concurrent compiles of one model wait for the first and reuse its
     artifact; the artifact appears in one `os.replace`, so a crash leaves nothing half-written.
     """
-    manager = PassManager(compile_config.passes, passes, tensor_parallel_size=model.layout.world_size)
+    manager = PassManager(compile_config.passes, passes, tensor_parallel_size=model.layout.world_size,
+                          max_num_tokens=compile_config.max_num_tokens)
     factors = model_factors(model, compile_config, passes)
     key = cache_key(factors)
     cache_dir = Path(cache_dir)
@@ -355,6 +383,9 @@ def build_artifact(
         debug = {"dynamo/decompiled.py": traced.decompiled, "dynamo/graph.py": traced.dynamo_graph}
         pieces = PieceCache.for_cache_dir(cache_dir, read=not force)
         variants = _build_variants(traced, manager, compile_config, timings, debug, progress, pieces)
+        start = time.perf_counter()
+        lm_head = _lm_head_choice(model, compile_config)
+        timings["lm_head_choice"] = time.perf_counter() - start
         if dump_dir is not None:
             for rel, text in debug.items():
                 (Path(dump_dir) / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -368,7 +399,8 @@ def build_artifact(
                        "passes": [{"name": p.name, "matches": v.report.matches.get(p.name),
                                    "seconds": round(v.report.seconds.get(p.name, 0.0), 4)}
                                   for p in manager.passes],  # a list: pipeline order
-                       "kernel_choices": [c.as_dict() for c in v.report.kernel_choices]}
+                       "kernel_choices": [c.as_dict() for c in v.report.kernel_choices],
+                       "gemm_choices": [c.as_dict() for c in v.report.gemm_choices]}
                       for v in variants],
             debug=debug,
             info={
@@ -377,6 +409,8 @@ def build_artifact(
                 "architecture": model.config.architecture,
                 "model_name": model_name,
                 "passes": [{"name": name, "uuid": uuid} for name, uuid in manager.uuids().items()],
+                "weight_formats": _weight_formats(traced, variants),
+                "lm_head": lm_head,
             },
         )
         timings["save"] = time.perf_counter() - start

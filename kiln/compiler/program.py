@@ -6,6 +6,9 @@ same arguments as `CausalLM.forward` without Dynamo.
 """
 
 import dataclasses
+import functools
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -14,7 +17,10 @@ from torch import nn
 
 from kiln.compiler.cudagraph import GraphedPiece, default_capture_sizes, pad_tokens, padded_size
 from kiln.errors import KilnError
-from kiln.kernels import AttentionMetadata
+from kiln.kernels import AttentionMetadata, packed_linear
+from kiln.models.lm_head import PackedHead
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -104,10 +110,23 @@ class CompiledProgram:
     Weights are bound once here; each call binds only the batch's tensors and sizes.
     """
 
-    def __init__(self, graph: Callable, inputs: list[GraphInput], model: nn.Module):
+    def __init__(self, graph: Callable, inputs: list[GraphInput], model: nn.Module,
+                 weight_formats: dict[str, str] | None = None, lm_head_format: str | None = None):
         self.graph, self.inputs = graph, inputs
         weights = dict(model.named_parameters()) | dict(model.named_buffers())
-        self._bound = [weights[spec.name] if spec.kind == "weight" else None for spec in inputs]
+        formats = weight_formats or {}
+        start = time.perf_counter()
+        self._bound = [None if spec.kind != "weight" else
+                       packed_linear.pack(formats[spec.name], weights[spec.name]) if spec.name in formats else
+                       weights[spec.name] for spec in inputs]
+        self.compute_logits = model.compute_logits
+        """Logits of the backbone's hidden states: the model's, with its LM head packed as the artifact asks."""
+        if lm_head_format is not None and getattr(model, "lm_head_kernel", None) is None:  # else: an int8 head
+            self.compute_logits = functools.partial(model.compute_logits,
+                                                    head=PackedHead(model.lm_head_weight(), lm_head_format))
+        if formats or lm_head_format:
+            logger.info("packed %d weights%s for their kernels in %.2fs", len(formats),
+                        " and the LM head" if lm_head_format else "", time.perf_counter() - start)
         self._per_call = [(i, spec) for i, spec in enumerate(inputs) if spec.kind in ("input", "meta", "kv_cache")]
         self._sizes = [(i, spec.of, spec.dim) for i, spec in enumerate(inputs) if spec.kind == "size"]
         self.capture_sizes: tuple[int, ...] = ()

@@ -12,6 +12,7 @@ from kiln.kernels.collective import (all_gather, all_reduce, all_reduce_fused_ad
 from kiln.kernels.fused_quant import fused_add_rms_norm_quant, rms_norm_quant, silu_and_mul_quant
 from kiln.kernels.kv_cache import kv_cache_write
 from kiln.kernels.norm import fused_add_rms_norm, rms_norm
+from kiln.kernels.packed_linear import onednn_int8_linear, onednn_linear
 from kiln.kernels.quant import quant_fp8, quant_int8, quantize_weight, scaled_mm
 from kiln.kernels.rope_kv_cache import rotary_embedding_kv_cache_write
 from kiln.kernels.rotary import rope_cos_sin_cache, rotary_embedding
@@ -27,6 +28,8 @@ __all__ = [
     "fused_add_rms_norm",
     "fused_add_rms_norm_quant",
     "kv_cache_write",
+    "onednn_int8_linear",
+    "onednn_linear",
     "quant_fp8",
     "quant_int8",
     "quantize_weight",

@@ -27,10 +27,92 @@ class AttentionMetadata:
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """[..., nblocks] block ids -> [..., kv_heads, nblocks * block_size, head_dim]."""
-    x = cache[blocks]  # [..., nblocks, block_size, heads, dim]
-    x = x.flatten(-4, -3)  # [..., slots, heads, dim]
-    return x.transpose(-3, -2)
+    """[seqs, nblocks] block ids -> [seqs, kv_heads, nblocks * block_size, head_dim], a view of one
+    copy made block by block (what SDPA's CPU kernel reads without another copy)."""
+    seqs, nblocks = blocks.shape
+    x = cache.index_select(0, blocks.flatten())  # [seqs * nblocks, block_size, heads, dim]
+    return x.view(seqs, nblocks * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
+
+
+@dataclass
+class _Prefills:
+    """Prefills of one shape: `count` sequences of `n` query tokens over `ctx` tokens of context."""
+
+    starts: list[int]
+    n: int
+    ctx: int
+    blocks: torch.Tensor  # [count, ceil(ctx / block_size)] int64
+    rows: torch.Tensor | None  # their query rows, in order; None: one contiguous run from starts[0]
+    mask: torch.Tensor | None  # [n, ctx] bool; None: plain causal (n == ctx, no window)
+
+
+@dataclass
+class _Plan:
+    """What every layer's attention of one batch shares: derived once from the metadata, not per layer."""
+
+    decode_rows: torch.Tensor | None  # query rows of the one-token sequences; None if the batch has none
+    decode_all: bool  # the batch is only decodes: their rows are the whole query, in order
+    decode_blocks: torch.Tensor | None  # [decodes, nblocks] int64
+    decode_mask: torch.Tensor | None  # [decodes, 1, 1, slots], 0 or -inf in the query's dtype
+    prefills: list[_Prefills]
+
+
+_last_plan: list = [None]  # (copies of the metadata, (block size, window, dtype), plan): one batch's worth
+
+
+def _plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+          window: int | None, dtype: torch.dtype) -> _Plan:
+    """The batch's plan, computed on the first layer's call and reused by the others, which receive
+    the same metadata (compared by value: a few small tensors)."""
+    meta = (query_start_loc, seq_lens, block_tables)
+    cached = _last_plan[0]
+    if cached is not None and cached[1] == (block_size, window, dtype) and all(
+            a.shape == b.shape and a.device == b.device and torch.equal(a, b) for a, b in zip(cached[0], meta)):
+        return cached[2]
+    plan = _make_plan(query_start_loc, seq_lens, block_tables, block_size, window, dtype)
+    _last_plan[0] = (tuple(t.clone() for t in meta), (block_size, window, dtype), plan)
+    return plan
+
+
+def _make_plan(query_start_loc, seq_lens, block_tables, block_size: int, window: int | None,
+               dtype: torch.dtype) -> _Plan:
+    device = query_start_loc.device
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
+    decodes = [i for i, n in enumerate(q_lens) if n == 1]
+    plan = _Plan(None, False, None, None, [])
+    if decodes:
+        idx = torch.tensor(decodes, device=device)
+        nblk = -(-max(lens[i] for i in decodes) // block_size)
+        ctx = seq_lens[idx].long()
+        pos = torch.arange(nblk * block_size, device=device)
+        mask = pos[None, :] < ctx[:, None]
+        if window is not None:
+            mask &= pos[None, :] > (ctx[:, None] - 1 - window)
+        plan.decode_all = len(decodes) == len(q_lens)
+        plan.decode_rows = query_start_loc[idx].long()
+        plan.decode_blocks = block_tables[idx, :nblk].long()
+        plan.decode_mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))[
+            :, None, None, :]  # additive: SDPA's CPU kernel reads it as is (a boolean mask it converts)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, n in enumerate(q_lens):
+        if n > 1:
+            groups.setdefault((n, lens[i]), []).append(i)
+    for (n, ctx), seqs in groups.items():
+        nblk = -(-ctx // block_size)
+        first = [starts[i] for i in seqs]
+        contiguous = all(b - a == n for a, b in zip(first, first[1:]))
+        rows = None if contiguous else torch.cat([torch.arange(s, s + n, device=device) for s in first])
+        mask = None
+        if n != ctx or window is not None:
+            q_pos = torch.arange(ctx - n, ctx, device=device)[:, None]
+            k_pos = torch.arange(ctx, device=device)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+        plan.prefills.append(_Prefills(first, n, ctx, block_tables[seqs, :nblk].long(), rows, mask))
+    return plan
 
 
 def attention_native(
@@ -42,50 +124,33 @@ def attention_native(
     scale: float,
     sliding_window: int,
 ) -> torch.Tensor:
-    """CPU path and reference: decodes run as one batched SDPA, each prefill as its own."""
-    out = torch.empty_like(query)
-    block_size = kv_cache.shape[2]
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
-    decodes = [i for i, n in enumerate(q_lens) if n == 1]
-    prefills = [i for i, n in enumerate(q_lens) if n > 1]
+    """CPU path and reference: the decodes run as one SDPA (each KV head's query group as the query
+    rows, so no KV head is repeated), the prefills as one SDPA per shape (sequences of equal query and
+    context lengths, the usual batched prompts, together)."""
     window = sliding_window if sliding_window > 0 else None
-
-    if decodes:
-        idx = torch.tensor(decodes, device=query.device)
-        ctx = seq_lens[idx].long()
-        nblk = -(-max(lens[i] for i in decodes) // block_size)
-        blocks = block_tables[idx, :nblk].long()
-        k, v = _gather(kv_cache[0], blocks), _gather(kv_cache[1], blocks)  # [B, Hkv, S, D]
-        pos = torch.arange(k.shape[-2], device=query.device)
-        mask = pos[None, :] < ctx[:, None]
-        if window is not None:
-            mask &= pos[None, :] > (ctx[:, None] - 1 - window)
-        tokens = query_start_loc[idx].long()
-        q = query[tokens].unsqueeze(2)  # [B, Hq, 1, D]
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
-        )
-        out[tokens] = o.squeeze(2)
-
-    for i in prefills:
-        start, n, ctx = starts[i], q_lens[i], lens[i]
-        nblk = -(-ctx // block_size)
-        blocks = block_tables[i, :nblk].long()
-        k = _gather(kv_cache[0], blocks)[:, :ctx].unsqueeze(0)
-        v = _gather(kv_cache[1], blocks)[:, :ctx].unsqueeze(0)
-        q = query[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        if n == ctx and window is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            q_pos = torch.arange(ctx - n, ctx, device=query.device)[:, None]
-            k_pos = torch.arange(ctx, device=query.device)[None, :]
-            mask = k_pos <= q_pos
-            if window is not None:
-                mask &= k_pos > q_pos - window
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start : start + n] = o[0].transpose(0, 1)
+    plan = _plan(query_start_loc, seq_lens, block_tables, kv_cache.shape[2], window, query.dtype)
+    hq, d = query.shape[1], query.shape[2]
+    hkv = kv_cache.shape[3]
+    if plan.decode_rows is not None:
+        k, v = _gather(kv_cache[0], plan.decode_blocks), _gather(kv_cache[1], plan.decode_blocks)  # [B, Hkv, S, D]
+        q = query if plan.decode_all else query[plan.decode_rows]
+        o = F.scaled_dot_product_attention(q.reshape(-1, hkv, hq // hkv, d), k, v, attn_mask=plan.decode_mask,
+                                           scale=scale).reshape(-1, hq, d)
+        if plan.decode_all:
+            return o
+        out = torch.empty_like(query)
+        out[plan.decode_rows] = o
+    else:
+        out = torch.empty_like(query)
+    for group in plan.prefills:
+        count, n = len(group.starts), group.n
+        k = _gather(kv_cache[0], group.blocks)[:, :, : group.ctx]  # [count, Hkv, ctx, D]
+        v = _gather(kv_cache[1], group.blocks)[:, :, : group.ctx]
+        rows = slice(group.starts[0], group.starts[0] + count * n) if group.rows is None else group.rows
+        q = query[rows].view(count, n, hq, d).transpose(1, 2)  # [count, Hq, n, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, is_causal=group.mask is None,
+                                           scale=scale, enable_gqa=True)
+        out[rows] = o.transpose(1, 2).reshape(count * n, hq, d)
     return out
 
 

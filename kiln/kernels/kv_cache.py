@@ -11,10 +11,12 @@ def kv_cache_write_native(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> torch.Tensor:
     heads, dim = kv_cache.shape[-2:]
-    valid = slot_mapping >= 0  # padded tokens carry slot -1 and write nothing
-    slots = slot_mapping[valid].long()
-    kv_cache[0].view(-1, heads, dim).index_copy_(0, slots, key[valid].to(kv_cache.dtype))
-    kv_cache[1].view(-1, heads, dim).index_copy_(0, slots, value[valid].to(kv_cache.dtype))
+    slots = slot_mapping.long()
+    if slots.is_cuda or (slots.numel() and int(slots.min()) < 0):  # on CPU, the mask only when there is padding
+        valid = slots >= 0  # padded tokens carry slot -1 and write nothing
+        slots, key, value = slots[valid], key[valid], value[valid]
+    kv_cache[0].view(-1, heads, dim).index_copy_(0, slots, key.to(kv_cache.dtype))
+    kv_cache[1].view(-1, heads, dim).index_copy_(0, slots, value.to(kv_cache.dtype))
     return kv_cache.new_empty(0)
 
 

@@ -7,6 +7,8 @@ parallelism each rank builds its share (`RankLayout`); anything rank-specific is
 every rank traces the same graph.
 """
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -128,6 +130,8 @@ class CausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, layout.vocab_per_rank, bias=False, dtype=dtype)
         self.register_buffer("cos_sin_cache", torch.empty(0, dtype=dtype), persistent=False)
+        self.lm_head_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """What computes hidden @ lm_head_weight().T when set (`kiln.models.lm_head`); else a plain matmul."""
         if layout.world_size > 1:  # a tensor, not a constant: every rank traces the same graph
             self.register_buffer("vocab_start", torch.empty((), dtype=torch.int64), persistent=False)
 
@@ -172,10 +176,16 @@ class CausalLM(nn.Module):
         x, _ = self.model.norm.add_forward(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits over the whole vocabulary, on every rank (each computes its rows, then all gather)."""
-        weight = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        logits = (hidden @ weight.t()).float()
+    def lm_head_weight(self) -> torch.Tensor:
+        """This rank's rows of the output projection: the embedding's when they are tied."""
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def compute_logits(self, hidden: torch.Tensor,
+                       head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits over the whole vocabulary, on every rank (each computes its rows, then all gather).
+        `head` computes this rank's rows (default: `lm_head_kernel`, else a matmul on the weight)."""
+        head = self.lm_head_kernel or head
+        logits = (head(hidden) if head is not None else hidden @ self.lm_head_weight().t()).float()
         n = self.layout.world_size
         if n == 1:
             return logits

@@ -4,11 +4,15 @@ native torch form, which Inductor then fuses with its neighbours into one genera
 Kept as ops: the attention (the split point), the cache writes (mutations that order the attention),
 the collectives and `scaled_mm` (a library matmul either way). On CUDA each norm and activation op is
 first measured against its Triton kernel (`kernel_choice`): where the kernel is faster it is kept,
-as a `kiln_triton` op AOTInductor compiles in, and not lowered.
+as a `kiln_triton` op AOTInductor compiles in, and not lowered. On CPU each projection is first
+measured against a oneDNN kernel on a weight packed at load (`gemm_choice`), and retargeted to it
+where that is faster.
 """
 
 import torch
 from torch import fx
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from kiln.kernels.activation import silu_and_mul_native
 from kiln.kernels.fused_quant import (fused_add_rms_norm_quant_native, rms_norm_quant_native,
@@ -17,6 +21,7 @@ from kiln.kernels.norm import fused_add_rms_norm_native, rms_norm_native
 from kiln.kernels.quant import quant_native
 from kiln.kernels.rotary import rotary_embedding_native
 from kiln.passes.base import Pattern, PatternPass, SizeRange
+from kiln.passes.gemm_choice import GemmChoice, GemmChooser
 from kiln.passes.kernel_choice import KernelChoice, choose_kernels, measured_tokens
 from kiln.passes.fusion.quant_kinds import QUANT_KINDS, QuantKind
 
@@ -37,10 +42,36 @@ def _norms() -> list[Pattern]:
     ]
 
 
-def _rotary() -> Pattern:
-    examples = [torch.arange(4), torch.empty(4, 2, 8), torch.empty(4, 1, 8), torch.empty(16, 8)]
-    return Pattern(lambda positions, q, k, cache, is_neox: ops.rotary_embedding(positions, q, k, cache, is_neox),
-                   rotary_embedding_native, examples, {"is_neox": True})
+def _inline_native(graph: fx.Graph, node: fx.Node, native) -> None:
+    """Replace `node`, a kiln op call returning a tuple, by `native`'s aten ops traced on its inputs.
+    For ops the pattern matcher cannot replace: it refuses a match beside a mutation, and the rotary's
+    rotated key feeds the KV-cache write."""
+    vals = fx.node.map_arg(node.args, lambda n: n.meta["val"])
+    tensors = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node)]
+
+    def traced(*inputs):
+        args = list(vals)
+        for i, value in zip(tensors, inputs):
+            args[i] = value
+        return native(*args)
+
+    with detect_fake_mode([vals[i] for i in tensors]):
+        gm = make_fx(traced, tracing_mode="real")(*[vals[i] for i in tensors])
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    with graph.inserting_before(node):
+        outputs = graph.graph_copy(gm.graph, {p: node.args[i] for p, i in zip(placeholders, tensors)})
+    for user in list(node.users):  # getitem(node, i) -> the copied graph's output i
+        user.replace_all_uses_with(outputs[user.args[1]])
+        graph.erase_node(user)
+    graph.erase_node(node)
+
+
+def _lower_rotary(graph: fx.Graph) -> int:
+    """Each `kiln::rotary_embedding` => its native form, for Inductor to fuse into the QKV epilogue."""
+    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target is ops.rotary_embedding.default]
+    for node in nodes:
+        _inline_native(graph, node, rotary_embedding_native)
+    return len(nodes)
 
 
 def _quantized(kind: QuantKind) -> list[Pattern]:
@@ -101,15 +132,19 @@ class Lowering(PatternPass):
 
     name = "lowering"
 
-    def __init__(self, choose: bool = True):
-        self.choose = choose
+    def __init__(self, choose: bool = True, gemms: GemmChooser | None = None):
+        self.choose, self.gemms = choose, gemms
         self.size_range: SizeRange = (1, 1)
         self.choices: list[KernelChoice] = []
+        self.gemm_choices: list[GemmChoice] = []
+        self.weight_formats: dict[str, str] = {}
+        """Packed weight inputs of the last graph: placeholder target -> format (`packed_linear`)."""
 
     def patterns(self) -> list[Pattern]:
-        return [*_norms(), _rotary(), *(p for kind in QUANT_KINDS for p in _quantized(kind))]
+        return [*_norms(), *(p for kind in QUANT_KINDS for p in _quantized(kind))]
 
     def __call__(self, graph: fx.Graph) -> int:
         _gather_then_norm(graph)  # counted below, as the norm it exposes
+        self.gemm_choices, self.weight_formats = self.gemms(graph) if self.gemms is not None else ([], {})
         self.choices = choose_kernels(graph, measured_tokens(self.size_range)) if self.choose else []
-        return super().__call__(graph)
+        return _lower_rotary(graph) + super().__call__(graph)

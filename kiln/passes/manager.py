@@ -22,6 +22,7 @@ from kiln.passes.fusion.allreduce_rms import AllReduceRMSFusion
 from kiln.passes.fusion.attn_quant import AttentionQuantFusion
 from kiln.passes.fusion.rms_quant import RMSNormQuantFusion
 from kiln.passes.fusion.rope_kvcache import RopeKVCacheFusion
+from kiln.passes.gemm_choice import GemmChoice, GemmChooser, measured_tokens
 from kiln.passes.kernel_choice import KernelChoice
 from kiln.passes.lowering import Lowering
 
@@ -36,6 +37,10 @@ class PassReport:
     seconds: dict[str, float] = field(default_factory=dict)
     kernel_choices: list[KernelChoice] = field(default_factory=list)
     """The lowering pass's measured kernel decisions (CUDA only)."""
+    gemm_choices: list[GemmChoice] = field(default_factory=list)
+    """The lowering pass's measured projection kernels (CPU only)."""
+    weight_formats: dict[str, str] = field(default_factory=dict)
+    """Weight inputs (placeholder targets) the runtime packs, and their formats."""
 
 
 def load_pass(spec: str) -> GraphPass:
@@ -61,7 +66,7 @@ class PassManager:
     """Runs the configured pipeline on a traced graph, in order, and names it for the cache key."""
 
     def __init__(self, config: PassConfig | None = None, custom: Sequence[GraphPass] = (),
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, max_num_tokens: int = 2048):
         config = config or PassConfig()
         builtin: list[tuple[bool, GraphPass]] = [
             (config.noop_elimination, NoOpElimination()),
@@ -73,7 +78,8 @@ class PassManager:
         ]
         self.passes: list[GraphPass] = [p for on, p in builtin if on] + list(custom)
         if config.lowering:
-            self.passes.append(Lowering(choose=config.kernel_choice))
+            gemms = GemmChooser(measured_tokens(max_num_tokens)) if config.gemm_choice else None
+            self.passes.append(Lowering(choose=config.kernel_choice, gemms=gemms))
         self.passes.append(DeadCodeElimination())
         names = [p.name for p in self.passes]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -109,6 +115,7 @@ class PassManager:
             report.seconds[p.name] = time.perf_counter() - start
             if isinstance(p, Lowering):
                 report.kernel_choices = list(p.choices)
+                report.gemm_choices, report.weight_formats = list(p.gemm_choices), dict(p.weight_formats)
             logger.debug("pass %s: %d matches in %.3fs", p.name, report.matches[p.name], report.seconds[p.name])
         graph.graph.lint()
         graph.recompile()

@@ -31,14 +31,22 @@ def _reference(q, keys, values, q_pos, scale, window):
     return out
 
 
+BATCHES = {
+    "mixed": ([7, 11, 9, 1], [7, 4, 1, 1]),  # a fresh prefill, a chunked prefill over cached context, decodes
+    "decodes": ([9, 1, 14], [1, 1, 1]),  # only decodes: the whole query is theirs
+    "equal_prefills": ([1, 6, 6, 9, 6], [1, 6, 6, 1, 6]),  # three fresh prefills of one shape, one apart
+}
+
+
+@pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("window", [0, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention_mixed_batch(window, dtype):
-    """A fresh prefill, a chunked prefill over cached context, and decodes, in one flat batch over
-    shuffled, non-contiguous blocks."""
+def test_paged_attention(batch, window, dtype):
+    """Prefills and decodes in one flat batch over shuffled, non-contiguous blocks, against a per-token
+    reference."""
     torch.manual_seed(0)
     hq, hkv, d = 6, 2, 16
-    ctx_lens, q_lens = [7, 11, 9, 1], [7, 4, 1, 1]
+    ctx_lens, q_lens = BATCHES[batch]
     perm = torch.randperm(16).tolist()
     tables, used = [], 0
     for c in ctx_lens:
@@ -72,3 +80,20 @@ def test_paged_attention_mixed_batch(window, dtype):
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(out[tok].float(), ref, atol=tol, rtol=tol)
             tok += 1
+
+
+def test_batch_plan_follows_metadata_changed_in_place():
+    """Layers of one batch share a plan derived from the metadata; metadata edited in place (or new
+    metadata with other values) gets a new plan, never a stale one."""
+    torch.manual_seed(0)
+    kv = torch.randn(2, 4, BLOCK, 1, 8)
+    q = torch.randn(1, 2, 8)
+    starts, tables = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([[2, 0, 3]], dtype=torch.int32)
+    seq_lens = torch.tensor([9], dtype=torch.int32)
+    keys = torch.cat([kv[0, b] for b in (2, 0, 3)])  # the sequence's context, in order
+    values = torch.cat([kv[1, b] for b in (2, 0, 3)])
+    for ctx in (9, 5):
+        seq_lens.fill_(ctx)
+        out = ops.attention(q, kv, kv.new_empty(0), starts, seq_lens, tables, 8**-0.5, 0)
+        ref = _reference(q[0], keys[:ctx], values[:ctx], ctx - 1, 8**-0.5, 0)
+        torch.testing.assert_close(out[0], ref, atol=1e-5, rtol=1e-5)

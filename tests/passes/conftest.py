@@ -39,20 +39,23 @@ def fresh(traced: TracedBackbone) -> TracedBackbone:
     return TracedBackbone(copy.deepcopy(traced.graph), traced.inputs)
 
 
-def run_graph(llm: LLM, traced: TracedBackbone, prompts, params):
-    """Generate with `traced`'s graph run eagerly as the model's forward (no Inductor involved)."""
+def run_graph(llm: LLM, traced: TracedBackbone, prompts, params, weight_formats: dict[str, str] | None = None):
+    """Generate with `traced`'s graph run eagerly as the model's forward (no Inductor involved), the
+    weights named in `weight_formats` packed as a loaded artifact's are."""
     saved = llm.engine
-    llm.engine = Engine(llm.model, EngineConfig(), llm.tokenizer, forward=CompiledProgram(traced.graph, traced.inputs,
-                                                                                          llm.model))
+    program = CompiledProgram(traced.graph, traced.inputs, llm.model, weight_formats)
+    llm.engine = Engine(llm.model, EngineConfig(), llm.tokenizer, forward=program)
     try:
         return llm.generate(prompts, params)
     finally:
         llm.engine = saved
 
 
-def assert_same_outputs(llm: LLM, rewritten: TracedBackbone, original: TracedBackbone) -> None:
-    """Greedy tokens identical and logprobs within 1e-5: the rewrite kept the graph's meaning."""
+def assert_same_outputs(llm: LLM, rewritten: TracedBackbone, original: TracedBackbone,
+                        weight_formats: dict[str, str] | None = None, atol: float = 1e-5) -> None:
+    """Greedy tokens identical and logprobs within `atol`: the rewrite kept the graph's meaning."""
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
-    for got, want in zip(run_graph(llm, rewritten, PROMPTS, params), run_graph(llm, original, PROMPTS, params)):
+    for got, want in zip(run_graph(llm, rewritten, PROMPTS, params, weight_formats),
+                         run_graph(llm, original, PROMPTS, params)):
         assert got.token_ids == want.token_ids
-        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=atol, rtol=0)

@@ -1,5 +1,9 @@
 """Rotary embedding followed by the KV-cache write of the rotated key => one op (one site per layer).
 
+On CUDA only, where the fused op is one Triton kernel. On CPU it has no kernel of its own: it would
+run the rotary eagerly beside the write, where unfused the lowering hands the rotary to Inductor,
+which fuses it into the loop after the QKV projection (`benchmarks/fusions.py` measures both).
+
 A plain `GraphPass`, not a `PatternPass`: Inductor's pattern matcher refuses any match that spans a
 mutation (the cache write starts a new mutation region in kiln's unfunctionalized graph). The fused
 op returns the write's ordering token, so the attention keeps its data dependency on the write.
@@ -37,10 +41,14 @@ class RopeKVCacheFusion(GraphPass):
 
     name = "rope_kvcache"
 
+    def __init__(self, devices: tuple[str, ...] = ("cuda",)):
+        self.devices = devices
+        """Where the fused op pays off: graphs whose KV caches live elsewhere are left alone."""
+
     def __call__(self, graph: fx.Graph) -> int:
         matches = 0
         for write in list(graph.nodes):
-            if _packet(write) is not ops.kv_cache_write:
+            if _packet(write) is not ops.kv_cache_write or write.args[2].meta["val"].device.type not in self.devices:
                 continue
             rotary = _rotated_key_source(write)
             if rotary is None:

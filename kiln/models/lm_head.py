@@ -1,0 +1,56 @@
+"""Kernels for the LM head: hidden @ W.T over the vocabulary, the largest single matmul of a small
+model's decode step (Qwen2.5-0.5B's is 545 MB in fp32, more than a third of what a token reads).
+
+`PackedHead` runs it on a oneDNN-packed copy of the weight (what a CPU artifact asks for when the
+compiler measured it faster). `Int8Head` is the opt-in int8 head (`LLM(lm_head_quantization="int8")`,
+`--lm-head-quantization int8`): weights per output channel, activations per token, a quarter of
+fp32's bytes; its effect on greedy agreement is what `benchmarks/quantization.py` reports.
+"""
+
+import logging
+
+import torch
+
+from kiln.errors import KilnError
+from kiln.kernels import packed_linear, quantize_weight
+
+logger = logging.getLogger(__name__)
+ops = torch.ops.kiln
+
+LM_HEAD_SCHEMES = ("int8",)
+
+
+class PackedHead:
+    """hidden @ weight.T with the weight packed once in `format` (`kiln.kernels.packed_linear`)."""
+
+    def __init__(self, weight: torch.Tensor, format: str = "onednn"):
+        self.weight = packed_linear.pack(format, weight)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return ops.onednn_linear(hidden, self.weight, None)
+
+
+class Int8Head:
+    """W8A8 logits: per-token int8 activations x per-channel int8 weights, int32 accumulation, fp32
+    out. On a CPU whose oneDNN int8 GEMM is exact the weight is packed for it; else torch._int_mm."""
+
+    def __init__(self, weight: torch.Tensor):
+        codes, self.scale = quantize_weight(weight.detach(), torch.int8)
+        self.onednn = codes.device.type == "cpu" and packed_linear.int8_gemm_exact()
+        self.codes = packed_linear.pack("onednn_int8", codes) if self.onednn else codes
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        a, a_scale = ops.quant_int8(hidden, None)
+        if self.onednn:
+            return ops.onednn_int8_linear(packed_linear.shift_int8(a), self.codes) * a_scale * self.scale
+        return ops.scaled_mm(a, self.codes, a_scale, self.scale, torch.float32, None)
+
+
+def quantize_lm_head(model, scheme: str) -> None:
+    """Give `model` (a CausalLM with its weights loaded) an int8 LM head, in place."""
+    if scheme not in LM_HEAD_SCHEMES:
+        raise KilnError(f"unknown LM head quantization {scheme!r}; choose from {', '.join(LM_HEAD_SCHEMES)}")
+    weight = model.lm_head_weight()
+    model.lm_head_kernel = Int8Head(weight)
+    logger.info("LM head quantized to int8 (%d x %d): %.0f MB instead of %.0f MB", *weight.shape,
+                weight.numel() / 1e6, weight.numel() * weight.element_size() / 1e6)

@@ -1,0 +1,77 @@
+"""The packed-weight CPU kernels against the ops they stand in for: torch's linear, kiln::scaled_mm."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kiln.kernels  # noqa: F401
+from kiln.kernels import packed_linear, quantize_weight
+from kiln.models.lm_head import Int8Head, PackedHead
+
+ops = torch.ops.kiln
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_onednn_linear_matches_linear(dtype, bias, rows):
+    torch.manual_seed(0)
+    w, x = torch.randn(96, 80).to(dtype), torch.randn(rows, 80).to(dtype)
+    b = torch.randn(96).to(dtype) if bias else None
+    packed = packed_linear.pack("onednn", w)
+    assert packed_linear.is_packed(packed) and packed.shape == w.shape and packed.dtype == dtype
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for weight in (packed, w):  # the op also takes the weight as loaded
+        out = ops.onednn_linear(x, weight, b)
+        assert out.dtype == dtype and out.shape == (rows, 96)
+        torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+
+
+def _int8_exact():
+    if not packed_linear.int8_gemm_exact():
+        pytest.skip("oneDNN's int8 GEMM saturates on this CPU (no VNNI): kiln never chooses it here")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_onednn_int8_linear_is_exact_int32_accumulation(rows):
+    _int8_exact()
+    torch.manual_seed(0)
+    a = torch.randint(-127, 128, (rows, 1000), dtype=torch.int8)
+    a[0] = 127  # the extreme codes, where a pairwise int16 accumulation would saturate
+    w = torch.randint(-127, 128, (48, 1000), dtype=torch.int8)
+    w[1] = -127
+    ref = torch._int_mm(torch.cat([a, a.new_zeros(40 - rows, 1000)]), w.t())[:rows].float()  # >16 rows
+    for weight in (packed_linear.pack("onednn_int8", w), w):
+        out = ops.onednn_int8_linear(packed_linear.shift_int8(a), weight)
+        assert out.dtype == torch.float32
+        assert torch.equal(out, ref)  # the same int32 sums, converted to fp32 the same way
+
+
+def test_int8_shift_round_trips_every_code():
+    codes = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
+    shifted = packed_linear.shift_int8(codes)
+    assert shifted.dtype == torch.uint8
+    assert torch.equal(shifted.to(torch.int16) - packed_linear.INT8_ZERO_POINT, codes.to(torch.int16))
+
+
+def test_fp8_widened_weight_gives_scaled_mm_numbers():
+    torch.manual_seed(0)
+    w, s_w = quantize_weight(torch.randn(64, 48), torch.float8_e4m3fn)
+    a, s_a = ops.quant_fp8(torch.randn(6, 48))
+    ref = ops.scaled_mm(a, w, s_a, s_w, torch.float32, None)
+    out = ops.onednn_linear(a.float(), packed_linear.pack("onednn_fp8_as_fp32", w)) * s_w * s_a
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_lm_heads_match_the_plain_matmul():
+    torch.manual_seed(0)
+    weight, hidden = torch.randn(500, 64), torch.randn(3, 64)
+    ref = hidden @ weight.t()
+    torch.testing.assert_close(PackedHead(weight)(hidden), ref, atol=1e-4, rtol=1e-4)
+    int8 = Int8Head(weight)(hidden)
+    assert int8.dtype == torch.float32
+    # per-token activations and per-channel weights at 8 bits: within ~1% of the logits' spread
+    assert ((int8 - ref).abs().max() / ref.abs().max()).item() < 0.02
+    assert torch.equal(int8.argmax(-1), ref.argmax(-1))
