@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from kiln.bench.decode import decode_step_seconds  # noqa: F401  (re-exported: the benchmarks' decode timing)
+
 
 def machine() -> dict:
     return {"threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -26,24 +28,6 @@ def median_seconds(fn, repeats: int = 200, sync=None) -> float:
         fn()
         sync()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def decode_step_seconds(llm, batch: int, steps: int, prompt_len: int = 32, vocab: int = 1000) -> float:
-    """Median wall time of one engine step with `batch` sequences decoding (the prefill step excluded)."""
-    from kiln import SamplingParams
-
-    prompts = [[(7 * b + i) % vocab + 1 for i in range(prompt_len)] for b in range(batch)]
-    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
-    engine, times, first = llm.engine, [], True
-    for p in prompts:
-        engine.add_request(p, params)
-    while engine.has_unfinished():
-        start = time.perf_counter()
-        engine.step()
-        if not first:
-            times.append(time.perf_counter() - start)
-        first = False
     return statistics.median(times)
 
 

@@ -78,17 +78,20 @@ def accuracy(work: Path) -> dict:
 
 
 def write_05b_model(out: Path) -> Path:
-    """Random weights in Qwen2.5-0.5B's shape (token ids only: no tokenizer is needed)."""
+    """Random weights in Qwen2.5-0.5B's shape (token ids only: no tokenizer is needed), the LM head tied
+    to the embedding as in the real checkpoint: one tensor, stored once."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     config = Qwen2Config(**QWEN25_05B)
     with torch.device("meta"):
         model = Qwen2ForCausalLM(config)
-    model.to_empty(device="cpu")
+    model.to_empty(device="cpu")  # (unties: the LM head gets storage of its own)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn_like(p) * 0.02)
+    model.tie_weights()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
     model.save_pretrained(out)
     return out
 

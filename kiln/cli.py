@@ -78,9 +78,12 @@ def _cmd_compile(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from kiln.compiler.compile import build_artifact
+    from kiln.threads import describe, use_threads
 
     start = time.perf_counter()
     model = _shaped_model(args)
+    if model.cos_sin_cache.device.type == "cpu":  # the kernel choices are timed on these threads
+        _say(describe(use_threads(args.threads), args.threads is not None))
     result = build_artifact(
         model,
         _compile_config(args),
@@ -115,11 +118,17 @@ def _print_matches(by_variant: dict[str, dict[str, int | None]]) -> None:
         print(f"{name:<{width}}" + "".join(f"{'-' if m is None else m:>{c}}" for m, c in zip(cells, cols)))
 
 
+def _say(line: str) -> None:
+    """A start-up fact worth a line at any verbosity (logs show only warnings by default)."""
+    print(f"kiln: {line}", file=sys.stderr, flush=True)
+
+
 def _llm(args: argparse.Namespace, compile: bool, **options):
     """The LLM that `generate` and `serve` run, from the model and compile options they share."""
     from kiln import LLM
+    from kiln.threads import describe
 
-    return LLM(
+    llm = LLM(
         args.model_dir,
         dtype=args.dtype,
         device=args.device,
@@ -132,9 +141,14 @@ def _llm(args: argparse.Namespace, compile: bool, **options):
         max_num_batched_tokens=args.max_num_tokens,
         tensor_parallel_size=args.tensor_parallel_size,
         cudagraph_sizes=() if args.no_cudagraphs else args.cudagraph_sizes,
+        threads=args.threads,
+        lm_head_quantization=args.lm_head_quantization,
         **({"kv_cache_memory_bytes": args.kv_cache_memory} if args.kv_cache_memory else {}),
         **options,
     )
+    if llm.threads and llm.parallel.rank == 0:
+        _say(describe(llm.threads, args.threads is not None))
+    return llm
 
 
 def _as_ranks(args: argparse.Namespace) -> None:
@@ -213,8 +227,17 @@ def _add_compile_options(parser: argparse.ArgumentParser, cache_dir: bool = True
                         help=f"turn off one of kiln's passes ({', '.join(pass_names)}); repeatable")
 
 
+def _add_threads_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=_at_least(1), metavar="N", help="CPU threads for the kernels (and, when "
+                        "compiling, for timing the kernel choices): default the machine's physical cores")
+
+
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     from kiln.cache_tools.units import parse_size
+
+    parser.add_argument("--lm-head-quantization", choices=["int8"], help="run the LM head on int8 weights (per "
+                        "channel) and activations (per token): a quarter of fp32's bytes, for large vocabularies; "
+                        "benchmarks/quantization.py reports its effect on greedy outputs (default: the model dtype)")
 
     parser.add_argument("--kv-cache-memory", type=_units(parse_size), metavar="SIZE", help="memory for the paged "
                         "KV cache, e.g. 8G (default 1G); it never exceeds max-num-seqs full sequences")
@@ -370,6 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--require-artifact", action="store_true", help="run the compiled artifact and fail if it is "
                      "absent or unusable instead of compiling (implies --compile)")
     _add_compile_options(gen)
+    _add_threads_option(gen)
     _add_engine_options(gen)
     gen.set_defaults(func=_cmd_generate)
 
@@ -386,6 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="activations dtype "
                       "(default float32)")
     _add_compile_options(comp)
+    _add_threads_option(comp)
     comp.add_argument("--dump-dir", metavar="DIR", help="write depyf's decompiled bytecode and the graphs before "
                       "and after splitting here")
     comp.add_argument("--force", action="store_true", help="compile even if a valid artifact is present, every piece afresh "
@@ -416,6 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and "
                      "activations dtype (default float32)")
     _add_compile_options(srv)
+    _add_threads_option(srv)
     _add_engine_options(srv)
     srv.set_defaults(func=_cmd_serve)
 
@@ -432,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_cmd_demo_model)
     _add_cache_parser(sub)
 
-    from kiln.bench import startup
+    from kiln.bench import decode, startup
 
     bench = sub.add_parser("bench", help="benchmark kiln on a model directory (JSON on stdout)",
                            description="Benchmarks of kiln on a model directory; each prints one JSON object.")
@@ -441,6 +467,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "processes", description=startup.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     startup.add_arguments(st)
     st.set_defaults(func=startup.run)
+    dec = benches.add_parser("decode", help="decode ms/token per batch size, against the memory-bandwidth floor",
+                             description=decode.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    decode.add_arguments(dec)
+    dec.set_defaults(func=decode.run)
     return parser
 
 

@@ -11,6 +11,7 @@ from kiln.compiler.key import cache_key, model_factors
 from kiln.config import CompileConfig, EngineConfig, ParallelConfig, default_cache_dir, parse_device, parse_dtype
 from kiln.errors import KilnError
 from kiln.models.config import ModelConfig
+from kiln.models.lm_head import quantize_lm_head
 from kiln.models.loader import load_weights
 from kiln.models.quantization import check_scheme, quantize_model
 from kiln.models.registry import create_model
@@ -19,6 +20,7 @@ from kiln.runtime.engine import Engine, RequestOutput
 from kiln.runtime.parallel import init_from_env
 from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.tokenizer import Tokenizer
+from kiln.threads import use_threads
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +36,10 @@ class LLM:
     passes (`kiln.passes.GraphPass`) to the compile; they are part of the artifact key.
     `artifact=PATH` runs that artifact directly (no key lookup, never compiles).
     `tensor_parallel_size=N` splits the model over N processes started by `torchrun --nproc-per-node N`:
-    every rank builds its share, and every rank returns the same outputs.
+    every rank builds its share, and every rank returns the same outputs. `threads` sets the CPU
+    threads (default: the machine's physical cores). `lm_head_quantization="int8"` runs the LM head
+    on int8 weights (per channel) and activations (per token): a quarter of fp32's bytes, for large
+    vocabularies; `benchmarks/quantization.py` reports its effect on greedy outputs.
 
     >>> llm = LLM("path/to/model")
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))[0].text
@@ -54,6 +59,8 @@ class LLM:
         passes: Sequence[GraphPass] = (),
         artifact: str | Path | None = None,
         tensor_parallel_size: int = 1,
+        threads: int | None = None,
+        lm_head_quantization: str | None = None,
         **engine_options,
     ):
         start = time.perf_counter()
@@ -62,12 +69,16 @@ class LLM:
             raise KilnError(f"model directory {model_dir} does not exist")
         self.model_config = ModelConfig.from_model_dir(model_dir)
         chosen = parse_device(device)
+        self.threads = use_threads(threads) if chosen.type == "cpu" or threads is not None else None
+        """How many CPU threads run the kernels (None: torch's default, on a GPU)."""
         self.parallel = _join_group(tensor_parallel_size, chosen.type)
         self.device = _pin(chosen)
         self.model = create_model(self.model_config, parse_dtype(dtype), self.device, self.parallel)
         load_weights(self.model, model_dir)
         if check_scheme(quantization):
             quantize_model(self.model, quantization)
+        if lm_head_quantization is not None:
+            quantize_lm_head(self.model, lm_head_quantization)
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         engine_config = EngineConfig(**engine_options)
         forward = None

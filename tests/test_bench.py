@@ -177,3 +177,42 @@ def test_bench_startup_end_to_end(tmp_path, monkeypatch, capsys):
     assert checks["artifact_over_eager"]["limit"] == 100
     assert checks["artifact_over_eager"]["value"] == result["artifact_over_eager"]
     assert result["passed"] is True
+
+
+def test_bench_decode_reports_each_batch_against_the_bandwidth_floor(demo_dirs, tmp_path, capsys):
+    from kiln.bench.decode import decode_weight_bytes
+    from kiln.cli import main
+
+    out = tmp_path / "decode.json"
+    assert main(["bench", "decode", str(demo_dirs["llama"]), "--batches", "1,3", "--steps", "3", "--out", str(out),
+                 "--threads", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report == json.loads(out.read_text())
+    assert set(report["batches"]) == {"1", "3"} and report["threads"] == 1 and report["compiled"] is False
+    for batch, row in report["batches"].items():
+        assert row["tokens_per_s"] == pytest.approx(int(batch) / row["ms_per_token"] * 1e3, rel=1e-2)
+        assert row["floor_fraction"] == pytest.approx(report["floor_ms_per_step"] / row["ms_per_token"], rel=1e-2)
+    assert report["floor_ms_per_step"] == pytest.approx(
+        report["weight_bytes_per_step"] / (report["read_bandwidth_gb_s"] * 1e9) * 1e3, rel=1e-2)
+
+
+def test_decode_weight_bytes_count_the_head_once_and_no_embedding_lookup(demo_dirs):
+    from kiln import LLM
+    from kiln.bench.decode import decode_weight_bytes
+
+    for arch in ("llama", "qwen2"):  # untied and tied embeddings
+        model = LLM(demo_dirs[arch]).model
+        params = dict(model.named_parameters())
+        expected = sum(p.numel() * p.element_size() for n, p in params.items() if n != "model.embed_tokens.weight")
+        if model.config.tie_word_embeddings:
+            expected += params["model.embed_tokens.weight"].numel() * 4
+        assert decode_weight_bytes(model) == expected
+    int8 = LLM(demo_dirs["llama"], lm_head_quantization="int8").model
+    head = int8.lm_head_weight()
+    assert decode_weight_bytes(int8) == expected_int8(int8, head)
+
+
+def expected_int8(model, head):
+    rest = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+               if n not in ("model.embed_tokens.weight", "lm_head.weight"))
+    return rest + head.numel() + head.shape[0] * 4

@@ -227,10 +227,19 @@ def test_manifest_records_factors_contract_and_timings(llama_artifact):
     assert manifest["key"] == llama_artifact.name == cache_key(manifest["factors"])
     assert manifest["factors"]["model"]["num_layers"] == 4 and manifest["factors"]["dtype"] == "float32"
     assert manifest["factors"]["system"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
-    assert set(manifest["timings"]) == {"trace", "passes", "split", "compile"}
+    assert set(manifest["timings"]) == {"trace", "passes", "split", "compile", "lm_head_choice"}
     [variant] = manifest["variants"]  # every kiln pass applies to every size: one variant
     assert variant["ranges"] == [[1, 2048]] and variant["sizes"] == []
     assert variant["kernel_choices"] == []  # on CPU no kernel competes with Inductor's code
+    # each projection shape timed against its packed kernel; the winners' weights are packed at load
+    gemms = variant["gemm_choices"]
+    assert len(gemms) == 4 and sum(c["calls"] for c in gemms) == 4 * 4 and {c["kind"] for c in gemms} == {"float"}
+    assert all(c["tokens"] == [1, 16, 256] and set(c["ms"]) == {"aten", "onednn"} for c in gemms)
+    packed = {tuple(c["shape"]) for c in gemms if c["kernel"] == "onednn"}
+    weights = [e for e in manifest["inputs"] if e["kind"] == "weight" and e["name"].endswith("proj.weight")]
+    assert manifest["weight_formats"] == {e["name"]: "onednn" for e in weights if tuple(e["shape"]) in packed}
+    assert manifest["lm_head"]["choice"]["tokens"] == [1, 16]
+    assert manifest["lm_head"]["format"] == (None if manifest["lm_head"]["choice"]["kernel"] == "aten" else "onednn")
     assert len(variant["pieces"]) == 5 and len({p["sizes"]["dynamic"]["sha256"] for p in variant["pieces"].values()}) == 3
     assert {e["kind"] for e in manifest["inputs"]} == {"weight", "input", "meta", "kv_cache", "size"}
     kv = next(e for e in manifest["inputs"] if e["kind"] == "kv_cache")

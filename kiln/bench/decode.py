@@ -1,0 +1,126 @@
+"""`kiln bench decode MODEL_DIR`: decode time per token at each batch size, and how close it comes to
+the memory-bandwidth floor.
+
+A decode step reads every weight once (the projections and the LM head; an embedding lookup reads only
+the batch's rows), so no step can take less than those bytes over the machine's read bandwidth. The
+bandwidth is measured here, on the same threads, as the best of a few sums over a tensor much larger
+than the CPU's caches. `floor_fraction` is that floor over the measured step: 1.0 would be reading
+the weights at the speed of a plain sum and doing nothing else.
+
+For each batch size B, B sequences of `--prompt-len` tokens are prefilled, then `--steps` decode steps
+are timed one by one (the median is reported): `ms_per_token` is a step's time, the latency each
+sequence sees per token, and `tokens_per_s` is B tokens over it.
+"""
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from kiln.errors import KilnError
+
+BANDWIDTH_BYTES = 512 << 20
+
+
+def read_bandwidth(repeats: int = 5) -> float:
+    """Bytes per second that a sum over a 512 MiB fp32 tensor reads, best of `repeats`."""
+    import torch
+
+    x = torch.ones(BANDWIDTH_BYTES // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return BANDWIDTH_BYTES / best
+
+
+def decode_weight_bytes(model) -> int:
+    """The bytes of weights one decode step reads: every parameter but the embedding table (looked up
+    by row), plus the LM head as it runs (int8 codes and scales for an int8 head)."""
+    head = model.lm_head_weight()
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if p is not head
+                and p is not model.model.embed_tokens.weight)
+    kernel = model.lm_head_kernel
+    if kernel is not None and hasattr(kernel, "scale"):  # the int8 head: one byte a weight, a scale a row
+        return total + head.numel() + kernel.scale.numel() * kernel.scale.element_size()
+    return total + head.numel() * head.element_size()
+
+
+def decode_step_seconds(llm, batch: int, steps: int, prompt_len: int = 32, vocab: int = 1000) -> float:
+    """Median wall time of one engine step with `batch` sequences decoding (the prefill step excluded)."""
+    from kiln import SamplingParams
+
+    prompts = [[(7 * b + i) % vocab + 1 for i in range(prompt_len)] for b in range(batch)]
+    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+    engine, times, first = llm.engine, [], True
+    for p in prompts:
+        engine.add_request(p, params)
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()
+        if not first:
+            times.append(time.perf_counter() - start)
+        first = False
+    return statistics.median(times)
+
+
+def _batches(text: str) -> list[int]:
+    try:
+        batches = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected batch sizes like 1,16, got {text!r}") from None
+    if not batches or min(batches) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be at least 1, got {text!r}")
+    return batches
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model directory")
+    parser.add_argument("--batches", type=_batches, default=[1, 16], metavar="B,B,...",
+                        help="decode batch sizes (default 1,16)")
+    parser.add_argument("--steps", type=int, default=32, metavar="N", help="decode steps timed per batch (default 32)")
+    parser.add_argument("--prompt-len", type=int, default=32, metavar="N", help="prompt tokens per sequence "
+                        "(default 32): the context decode attends to")
+    parser.add_argument("--compile", action="store_true", help="time the compiled artifact (compiling it first if "
+                        "absent)")
+    parser.add_argument("--require-artifact", action="store_true", help="time the compiled artifact; fail if it is "
+                        "absent")
+    parser.add_argument("--cache-dir", metavar="DIR", help="artifact cache (default $KILN_CACHE, else ~/.cache/kiln)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--quantization", choices=["int8", "fp8"], help="W8A8 projections")
+    parser.add_argument("--lm-head-quantization", choices=["int8"], help="an int8 LM head")
+    parser.add_argument("--threads", type=int, metavar="N", help="CPU threads (default: the physical cores)")
+    parser.add_argument("--out", type=Path, metavar="FILE.json", help="write the JSON here too")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kiln import LLM
+
+    if args.steps < 1 or args.prompt_len < 1:
+        raise KilnError("--steps and --prompt-len must be at least 1")
+    llm = LLM(args.model_dir, dtype=args.dtype, compile=args.compile or args.require_artifact,
+              require_artifact=args.require_artifact, cache_dir=args.cache_dir, quantization=args.quantization,
+              lm_head_quantization=args.lm_head_quantization, threads=args.threads,
+              max_num_seqs=max(args.batches))
+    bandwidth = read_bandwidth()
+    weights = decode_weight_bytes(llm.model)
+    floor_ms = weights / bandwidth * 1e3
+    decode_step_seconds(llm, 1, 2, args.prompt_len)  # warm-up: first-call costs
+    results = {}
+    for batch in args.batches:
+        ms = decode_step_seconds(llm, batch, args.steps, args.prompt_len) * 1e3
+        results[str(batch)] = {"ms_per_token": round(ms, 3), "tokens_per_s": round(batch / ms * 1e3, 2),
+                               "floor_fraction": round(floor_ms / ms, 3)}
+    report = {"model": str(args.model_dir), "compiled": llm.artifact_path is not None,
+              "quantization": args.quantization, "lm_head_quantization": args.lm_head_quantization,
+              "threads": llm.threads, "weight_bytes_per_step": weights,
+              "read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "floor_ms_per_step": round(floor_ms, 3),
+              "prompt_len": args.prompt_len, "batches": results}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
