@@ -119,7 +119,7 @@ class CompiledProgram:
         self._bound = [None if spec.kind != "weight" else
                        packed_linear.pack(formats[spec.name], weights[spec.name]) if spec.name in formats else
                        weights[spec.name] for spec in inputs]
-        self.compute_logits = model.compute_logits
+        self.compute_logits = getattr(model, "compute_logits", None)
         """Logits of the backbone's hidden states: the model's, with its LM head packed as the artifact asks."""
         if lm_head_format is not None and getattr(model, "lm_head_kernel", None) is None:  # else: an int8 head
             self.compute_logits = functools.partial(model.compute_logits,

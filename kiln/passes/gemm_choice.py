@@ -98,11 +98,13 @@ class GemmChooser:
                 continue
             choice = self.choose(sig)
             choices.append(_with_calls(choice, len(nodes)))
-            if choice.kernel == "aten":
+            packed = choice.kernel != "aten"
+            if not packed and sig.kind != "int8":  # torch's GEMM is what the graph calls already
                 continue
             for node, weight in nodes:
-                _REWRITES[sig.kind](graph, node, weight)
-                formats[weight.target] = choice.kernel
+                _REWRITES[sig.kind](graph, node, weight, packed)
+                if packed:
+                    formats[weight.target] = choice.kernel
         return choices, formats
 
     def choose(self, sig: _Signature) -> GemmChoice:
@@ -188,7 +190,7 @@ def _insert(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) ->
     return node
 
 
-def _rewrite_float(graph: fx.Graph, node: fx.Node, weight: fx.Node) -> None:
+def _rewrite_float(graph: fx.Graph, node: fx.Node, weight: fx.Node, packed: bool = True) -> None:
     x, bias = (node.args[0], None) if node.target is aten.mm.default else (node.args[1], node.args[0])
     transposed = node.args[1] if node.target is aten.mm.default else node.args[2]
     with graph.inserting_before(node):
@@ -218,19 +220,26 @@ def _epilogue(graph: fx.Graph, out: fx.Node, a_scale: fx.Node, b_scale: fx.Node,
     return out
 
 
-def _rewrite_int8(graph: fx.Graph, node: fx.Node, weight: fx.Node) -> None:
+def _rewrite_int8(graph: fx.Graph, node: fx.Node, weight: fx.Node, packed: bool) -> None:
+    """scaled_mm => the int8 GEMM (oneDNN's on the packed weight, else torch._int_mm, which AOTInductor
+    calls from C++ with no Python op around it) and its epilogue in the graph, for Inductor to fuse."""
     a, _, a_scale, b_scale, out_dtype, bias = _scaled_mm_args(node)
     with graph.inserting_before(node):
-        wide = _insert(graph, aten._to_copy.default, (a,), {"dtype": torch.int16})
-        shifted = _insert(graph, aten.add.Tensor, (wide, packed_linear.INT8_ZERO_POINT))
-        codes = _insert(graph, aten._to_copy.default, (shifted,), {"dtype": torch.uint8})
-        out = _insert(graph, ops.onednn_int8_linear.default, (codes, weight))
+        if packed:
+            wide = _insert(graph, aten._to_copy.default, (a,), {"dtype": torch.int16})
+            shifted = _insert(graph, aten.add.Tensor, (wide, packed_linear.INT8_ZERO_POINT))
+            codes = _insert(graph, aten._to_copy.default, (shifted,), {"dtype": torch.uint8})
+            out = _insert(graph, ops.onednn_int8_linear.default, (codes, weight))
+        else:
+            transposed = _insert(graph, aten.t.default, (weight,))
+            sums = _insert(graph, aten._int_mm.default, (a, transposed))
+            out = _insert(graph, aten._to_copy.default, (sums,), {"dtype": torch.float32})
         out = _epilogue(graph, out, a_scale, b_scale, bias, out_dtype)
     node.replace_all_uses_with(out)
     graph.erase_node(node)
 
 
-def _rewrite_fp8(graph: fx.Graph, node: fx.Node, weight: fx.Node) -> None:
+def _rewrite_fp8(graph: fx.Graph, node: fx.Node, weight: fx.Node, packed: bool = True) -> None:
     a, _, a_scale, b_scale, out_dtype, bias = _scaled_mm_args(node)
     with graph.inserting_before(node):
         wide = _insert(graph, aten._to_copy.default, (a,), {"dtype": torch.float32})
@@ -325,6 +334,10 @@ def _runner(sig: _Signature, kernel: str, weights: list[torch.Tensor], scale: to
         if kernel == "aten":
             return (lambda x: torch.addmm(bias, x, weight().t())) if bias is not None else (lambda x: x @ weight().t())
         return lambda x: ops.onednn_linear(x, weight(), bias)
+    if sig.kind == "int8":  # the GEMMs alone: the graph fuses the shift and the epilogue into other loops
+        if kernel == "aten":
+            return lambda a, s: torch._int_mm(a, weight().t())
+        return lambda a, s: ops.onednn_int8_linear(packed_linear.shift_int8(a), weight())
     if kernel == "aten":
         return lambda a, s: ops.scaled_mm(a, weight(), s, scale, sig.out_dtype, bias)
 
@@ -332,8 +345,6 @@ def _runner(sig: _Signature, kernel: str, weights: list[torch.Tensor], scale: to
         out = out * s * scale
         return (out + bias if bias is not None else out).to(sig.out_dtype)
 
-    if sig.kind == "int8":
-        return lambda a, s: finish(ops.onednn_int8_linear(packed_linear.shift_int8(a), weight()), s)
     return lambda a, s: finish(ops.onednn_linear(a.float(), weight(), None), s)
 
 

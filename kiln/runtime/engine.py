@@ -73,7 +73,7 @@ class Engine:
         if forward is not None and hasattr(forward, "capture_graphs"):  # a compiled program: pad, and graph on CUDA
             forward.capture_graphs(config.cudagraph_sizes, kv_caches, config.block_size,
                                    min(config.max_num_seqs, config.max_num_batched_tokens))
-        logits = getattr(forward, "compute_logits", model.compute_logits)  # a program may pack the LM head
+        logits = getattr(forward, "compute_logits", None) or model.compute_logits  # a program may pack the LM head
         self.runner = ModelRunner(forward or model, logits, kv_caches, config.block_size, device)
         self.scheduler = Scheduler(config, num_blocks)
         self.default_generator = torch.Generator(device).manual_seed(seed)  # multinomial wants the logits' device

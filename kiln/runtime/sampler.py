@@ -50,7 +50,8 @@ class SamplingParams:
 @dataclass
 class SampleResult:
     token_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float | None]
+    """The chosen token's logprob, for the rows that asked for logprobs (None for the others)."""
     top_logprobs: list[dict[int, float] | None]
 
 
@@ -79,9 +80,9 @@ def sample(
 ) -> SampleResult:
     """Pick one token per row of fp32 logits [num_seqs, vocab].
 
-    Reported logprobs are of the model's raw distribution (before temperature and filtering).
+    Reported logprobs are of the model's raw distribution (before temperature and filtering), for the
+    rows that ask for them only: a log-softmax over a large vocabulary costs a millisecond a row.
     """
-    logprobs = logits.log_softmax(-1)
     tokens = logits.argmax(-1).tolist()
     for row, p in enumerate(params):
         if p.temperature == 0:
@@ -89,12 +90,15 @@ def sample(
         probs = (_filter(logits[row] / p.temperature, p.top_k, p.top_p, p.min_p)).softmax(-1)
         gen = generators[row] or default_generator
         tokens[row] = int(torch.multinomial(probs, 1, generator=gen))
-    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1)).squeeze(1).tolist()
-    top: list[dict[int, float] | None] = []
-    for row, p in enumerate(params):
-        if p.logprobs:
-            vals, ids = logprobs[row].topk(min(p.logprobs, logprobs.shape[-1]))
-            top.append(dict(zip(ids.tolist(), vals.tolist())))
-        else:
-            top.append(None)
+    chosen: list[float | None] = [None] * len(params)
+    top: list[dict[int, float] | None] = [None] * len(params)
+    rows = [row for row, p in enumerate(params) if p.logprobs is not None]
+    if rows:
+        logprobs = logits[rows].log_softmax(-1)
+        picked = torch.tensor([tokens[r] for r in rows], device=logits.device).unsqueeze(1)
+        for i, (row, value) in enumerate(zip(rows, logprobs.gather(1, picked).squeeze(1).tolist())):
+            chosen[row] = value
+            if params[row].logprobs:
+                vals, ids = logprobs[i].topk(min(params[row].logprobs, logprobs.shape[-1]))
+                top[row] = dict(zip(ids.tolist(), vals.tolist()))
     return SampleResult(tokens, chosen, top)

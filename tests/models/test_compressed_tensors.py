@@ -120,7 +120,9 @@ def test_compiled_static_fp8_checkpoint_equals_eager(demo_dirs, calibration, tmp
     compiled = llm.generate(PROMPTS, params)
     for c, e in zip(compiled, eager):
         assert c.token_ids == e.token_ids
-        torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(e.logprobs), atol=1e-4, rtol=0)
+        # the artifact may run the fp8 projections as oneDNN fp32 GEMMs on widened weights, which sum in
+        # another order than eager's; a static fp8 activation then rounds differently now and then
+        torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(e.logprobs), atol=5e-4, rtol=0)
 
 
 # -- bad input -----------------------------------------------------------------------------------

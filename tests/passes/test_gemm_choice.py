@@ -81,6 +81,18 @@ def test_quantized_projections_move_to_packed_weights(quantized_llms, traced_gra
     assert_same_outputs(llm, traced, traced_graphs[scheme], _weight_names(traced, formats), atol)
 
 
+def test_int8_without_the_packed_kernel_calls_int_mm_in_the_graph(quantized_llms, traced_graphs):
+    """torch's int8 GEMM goes into the graph itself (AOTInductor calls it from C++), its scales after it."""
+    llm, traced = quantized_llms["int8"], fresh(traced_graphs["int8"])
+    layers = llm.model_config.num_layers
+    choices, formats = GemmChooser((1,), timer=lambda fn, args: 1.0)(traced.graph.graph)  # a tie: torch's
+    traced.graph.recompile()
+    graph = traced.graph.graph
+    assert formats == {} and {c.kernel for c in choices} == {"aten"}
+    assert count_ops(graph, ops.scaled_mm) == 0 and count_ops(graph, aten._int_mm) == 4 * layers
+    assert_same_outputs(llm, traced, traced_graphs["int8"])  # scaled_mm's own arithmetic, in its order
+
+
 def test_kernel_with_other_numbers_is_rejected(traced_graphs, monkeypatch):
     real = packed_linear.pack
     monkeypatch.setattr(packed_linear, "pack", lambda fmt, w: real(fmt, w * 2))  # a kernel that gets it wrong
