@@ -74,21 +74,25 @@ _ONES: dict[int, torch.Tensor] = {}
 
 
 @torch.library.custom_op("kiln::onednn_int8_linear", mutates_args=())
-def onednn_int8_linear(a_shifted: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def onednn_int8_linear(a_shifted: torch.Tensor, weight: torch.Tensor,
+                       weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """(a - 128) @ weight.T in fp32, accumulated in int32: `a_shifted` [M, K] uint8 holds int8
     activation codes plus 128 (what oneDNN's u8 x s8 GEMM takes), `weight` [N, K] int8 is packed by the
-    "onednn_int8" format or plain. Scales are left to the caller, so the numbers are `torch._int_mm`'s."""
+    "onednn_int8" format or plain. Without `weight_scale` the numbers are `torch._int_mm`'s (the caller
+    scales them); with it ([N] fp32), each output channel is scaled in oneDNN's epilogue."""
     if not is_packed(weight):  # oneDNN reads only its own layout (a plain weight crashes it): pack for this call
         weight = pack("onednn_int8", weight)
-    n = weight.shape[1]  # packed as [K, N]
-    if n not in _ONES:
-        _ONES[n] = torch.ones(n)
-    return torch.ops.onednn.qlinear_pointwise(a_shifted, 1.0, INT8_ZERO_POINT, weight, _ONES[n], _ZERO,
+    if weight_scale is None:
+        n = weight.shape[1]  # packed as [K, N]
+        if n not in _ONES:
+            _ONES[n] = torch.ones(n)
+        weight_scale = _ONES[n]
+    return torch.ops.onednn.qlinear_pointwise(a_shifted, 1.0, INT8_ZERO_POINT, weight, weight_scale.float(), _ZERO,
                                               None, 1.0, 0, torch.float32, "none", [], "")
 
 
 @onednn_int8_linear.register_fake
-def _(a_shifted, weight):
+def _(a_shifted, weight, weight_scale=None):
     return a_shifted.new_empty((a_shifted.shape[0], weight.shape[0]), dtype=torch.float32)
 
 

@@ -42,7 +42,7 @@ class Int8Head:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         a, a_scale = ops.quant_int8(hidden, None)
         if self.onednn:
-            return ops.onednn_int8_linear(packed_linear.shift_int8(a), self.codes) * a_scale * self.scale
+            return ops.onednn_int8_linear(packed_linear.shift_int8(a), self.codes, self.scale).mul_(a_scale)
         return ops.scaled_mm(a, self.codes, a_scale, self.scale, torch.float32, None)
 
 
