@@ -106,7 +106,7 @@ def child_kiln(model_dir: str, threads: int, start: float, system: str, cache: s
 
     options = {"threads": threads}
     if system != "kiln-eager":
-        options |= {"require_artifact": True, "cache_dir": cache}
+        options |= {"compile": True, "require_artifact": True, "cache_dir": cache}
     if system == "kiln-int8":
         options |= {"quantization": "int8", "lm_head_quantization": "int8"}
     llm = LLM(model_dir, max_num_seqs=PROMPTS, **options)

@@ -29,9 +29,9 @@ class LLM:
     """Load a Hugging Face-format decoder and generate from batches of prompts.
 
     `compile=True` runs the backbone from kiln's compiled artifact in `cache_dir` (default
-    `$KILN_CACHE` or ~/.cache/kiln), compiling it first if it is absent or unusable; with
-    `require_artifact=True` a missing or broken artifact is an error instead. `quantization="int8"`
-    or `"fp8"` quantizes the decoder's projections (W8A8, per-channel weights, per-token activations)
+    `$KILN_CACHE` or ~/.cache/kiln), compiling it first if it is absent or unusable;
+    `require_artifact=True` runs it too, and makes a missing or broken artifact an error instead.
+    `quantization="int8"` or `"fp8"` quantizes the decoder's projections (W8A8, per-channel weights, per-token activations)
     after loading, unless the checkpoint is quantized already. `passes` adds the user's own graph
     passes (`kiln.passes.GraphPass`) to the compile; they are part of the artifact key.
     `artifact=PATH` runs that artifact directly (no key lookup, never compiles).
@@ -94,7 +94,7 @@ class LLM:
                     f"max_num_batched_tokens {engine_config.max_num_batched_tokens} exceeds the max_num_tokens "
                     f"{forward.graph.max_num_tokens} of artifact {self.artifact_path}: lower it (--max-num-tokens)"
                 )
-        elif compile:
+        elif compile or require_artifact:  # requiring the artifact means running it, as the CLI's flag does
             compile_config = compile_config or CompileConfig()
             if engine_config.max_num_batched_tokens > compile_config.max_num_tokens:
                 raise KilnError(

@@ -138,9 +138,10 @@ def test_damaged_artifact_is_recompiled_by_default(tmp_path, demo_dirs, llama_ar
     )[0].token_ids
 
 
-def test_missing_artifact_with_require_artifact_fails(tmp_path, demo_dirs):
+@pytest.mark.parametrize("compile", [True, False])  # requiring the artifact runs it, as --require-artifact does
+def test_missing_artifact_with_require_artifact_fails(tmp_path, demo_dirs, compile):
     with pytest.raises(artifact.ArtifactMissing, match="run `kiln compile MODEL_DIR`"):
-        LLM(demo_dirs["llama"], compile=True, cache_dir=tmp_path, require_artifact=True)
+        LLM(demo_dirs["llama"], compile=compile, cache_dir=tmp_path, require_artifact=True)
 
 
 def test_concurrent_compiles_leave_one_artifact(tmp_path, demo_dirs):
