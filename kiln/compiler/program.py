@@ -10,6 +10,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -116,9 +117,13 @@ class CompiledProgram:
         weights = dict(model.named_parameters()) | dict(model.named_buffers())
         formats = weight_formats or {}
         start = time.perf_counter()
-        self._bound = [None if spec.kind != "weight" else
-                       packed_linear.pack(formats[spec.name], weights[spec.name]) if spec.name in formats else
-                       weights[spec.name] for spec in inputs]
+        self._bound = [weights[spec.name] if spec.kind == "weight" else None for spec in inputs]
+        packing = [i for i, spec in enumerate(inputs) if spec.kind == "weight" and spec.name in formats]
+        # one weight at a time per thread: oneDNN's reorder of one weight barely uses a second core
+        with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+            packed = pool.map(lambda i: packed_linear.pack(formats[inputs[i].name], self._bound[i]), packing)
+            for i, weight in zip(packing, packed):
+                self._bound[i] = weight
         self.compute_logits = getattr(model, "compute_logits", None)
         """Logits of the backbone's hidden states: the model's, with its LM head packed as the artifact asks."""
         if lm_head_format is not None and getattr(model, "lm_head_kernel", None) is None:  # else: an int8 head

@@ -1,6 +1,8 @@
 """The paged KV cache: per-layer [2, num_blocks, block_size, kv_heads, head_dim] tensors and the
 allocator that hands out their blocks."""
 
+import math
+import mmap
 from collections import OrderedDict
 
 import torch
@@ -102,4 +104,13 @@ def allocate_kv_caches(
 ) -> list[torch.Tensor]:
     # Zeroed, not empty: attention multiplies masked-out slots by a zero probability, and 0 * NaN is NaN.
     shape = (2, num_blocks, block_size, num_kv_heads or cfg.num_kv_heads, cfg.head_dim)
+    if torch.device(device).type == "cpu":
+        return [_zeroed_lazily(shape, dtype) for _ in range(cfg.num_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+
+
+def _zeroed_lazily(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor on an anonymous memory mapping: zero by the OS's guarantee, its pages touched only
+    when a block is first written, so start-up does not wait on writing a gigabyte of zeros."""
+    mapping = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
+    return torch.frombuffer(mapping, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
