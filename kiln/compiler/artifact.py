@@ -38,7 +38,8 @@ from kiln.compiler import atomic, usage
 from kiln.compiler.aoti import CALLS_SUFFIX, LIBRARY_SUFFIX, LoadedLibrary
 from kiln.compiler.counters import counters
 from kiln.compiler.key import python_version, system_info
-from kiln.compiler.program import ByTokenCount, CompiledProgram, GraphInput, SizedPiece, load_program
+from kiln.compiler.program import (ByTokenCount, CompiledProgram, GraphInput, PackedWeights, SizedPiece,
+                                  load_program, pack_weights)
 from kiln.config import dtype_name
 from kiln.errors import KilnError
 
@@ -138,7 +139,8 @@ def save(
             variant_entries.append({"ranges": [list(r) for r in variant["ranges"]], "sizes": list(variant["sizes"]),
                                     "program": program, "pieces": entries, "passes": variant["passes"],
                                     "kernel_choices": variant.get("kernel_choices", []),
-                                    "gemm_choices": variant.get("gemm_choices", [])})
+                                    "gemm_choices": variant.get("gemm_choices", []),
+                                    "weight_formats": variant.get("weight_formats", {})})
         debug_entries = {}
         for rel, text in sorted(debug.items()):
             (tmp / "debug" / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -347,6 +349,9 @@ def load(path: Path, model: nn.Module) -> CompiledProgram:
             counters["blobs_loaded"] += 1
         return blobs[entry["sha256"], args]
 
+    inputs = [GraphInput(e["kind"], e["name"], e.get("of"), e.get("dim")) for e in manifest["inputs"]]
+    _check_weights(manifest["inputs"], model)
+    packed = pack_weights(inputs, model, [v.get("weight_formats", {}) for v in manifest["variants"]])
     routes = []
     for i, variant in enumerate(manifest["variants"]):
         pieces = {}
@@ -361,13 +366,12 @@ def load(path: Path, model: nn.Module) -> CompiledProgram:
             )
         program = path / PROGRAMS / f"{i}.py"
         forward = load_program(program.read_text(), str(program), pieces)
+        if packed[i]:
+            forward = PackedWeights(forward, packed[i])
         routes += [((s, s), forward) for s in variant["sizes"]] + [(tuple(r), forward) for r in variant["ranges"]]
     tokens_at = next(i for i, e in enumerate(manifest["inputs"]) if e["kind"] == "input" and e["name"] == "input_ids")
-    inputs = [GraphInput(e["kind"], e["name"], e.get("of"), e.get("dim")) for e in manifest["inputs"]]
-    _check_weights(manifest["inputs"], model)
     logger.info("loaded artifact %s: %d blobs in %.2fs", path.name, len(blobs), time.perf_counter() - start)
-    program = CompiledProgram(ByTokenCount(routes, tokens_at), inputs, model, manifest.get("weight_formats"),
-                              (manifest.get("lm_head") or {}).get("format"))
+    program = CompiledProgram(ByTokenCount(routes, tokens_at), inputs, model, (manifest.get("lm_head") or {}).get("format"))
     program.lease = lease  # held while the program lives: `kiln cache prune` leaves this key alone
     return program
 

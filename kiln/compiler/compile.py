@@ -35,7 +35,6 @@ from kiln.compiler.trace import TracedBackbone, trace_backbone
 from kiln.compiler.workers import CompileJob, compile_jobs, probe_cpu_in_background
 from kiln.config import CompileConfig, dtype_name
 from kiln.models.llama import CausalLM
-from kiln.errors import KilnError
 from kiln.passes import GraphPass, PassManager, gemm_choice
 from kiln.passes.base import SizeRange
 from kiln.passes.manager import PassReport
@@ -208,18 +207,16 @@ class VariantBuild:
     pieces: dict[str, PieceBuild]
 
 
-def _weight_formats(traced: TracedBackbone, variants: list[VariantBuild]) -> dict[str, str]:
-    """The packed weights every variant's projections read (weight name -> format). A weight is packed
-    once for all variants, so they must agree (the GEMM choice is made once per compile)."""
+def _on_cpu(traced: TracedBackbone) -> bool:
+    return any(spec.kind == "weight" and node.meta["val"].device.type == "cpu"
+               for node, spec in zip(traced.graph.graph.find_nodes(op="placeholder"), traced.inputs))
+
+
+def _weight_formats(traced: TracedBackbone, variant: VariantBuild) -> dict[str, str]:
+    """The weights a variant's projections read packed: weight name -> format (`packed_linear`)."""
     placeholders = [n.target for n in traced.graph.graph.find_nodes(op="placeholder")]
     names = {target: spec.name for target, spec in zip(placeholders, traced.inputs)}
-    formats: dict[str, str] = {}
-    for variant in variants:
-        for target, fmt in variant.report.weight_formats.items():
-            name = names[target]
-            if formats.setdefault(name, fmt) != fmt:
-                raise KilnError(f"weight {name} is packed as {formats[name]} in one variant and {fmt} in another")
-    return formats
+    return {names[target]: fmt for target, fmt in variant.report.weight_formats.items()}
 
 
 def _lm_head_choice(model: CausalLM, compile_config: CompileConfig) -> dict | None:
@@ -275,11 +272,16 @@ def _build_variants(traced: TracedBackbone, manager: PassManager, compile_config
                     timings: dict[str, float], debug: dict[str, str], progress: bool | None,
                     cache: PieceCache | None) -> list[VariantBuild]:
     """Run the passes, split and compile once per group of size ranges whose passes agree (one group
-    unless a pass declines some sizes). Pieces that come out the same in two variants compile once.
-    Each variant's graphs are added to `debug` as text."""
+    unless a pass declines some sizes, or on CPU the GEMM kernels chosen for small batches differ from
+    the rest). Pieces that come out the same in two variants compile once. Each variant's graphs are
+    added to `debug` as text."""
     ranges = compile_config.dynamic_ranges()
+    if manager.gemms is not None and _on_cpu(traced):  # small decode batches choose their GEMMs apart
+        ranges = gemm_choice.split_small_batches(ranges)
     statics = [(s, s) for s in compile_config.sizes]
-    groups = manager.group([*ranges, *statics])
+    start = time.perf_counter()
+    groups = manager.group([*ranges, *statics], traced.graph.graph)
+    timings["gemm_choice"] = time.perf_counter() - start
     token_symbol = _token_symbol(traced)
     before_passes = traced.graph.code
     done: dict = {}
@@ -348,8 +350,7 @@ def build_artifact(
     A file lock per key makes concurrent compiles of one model wait for the first and reuse its
     artifact; the artifact appears in one `os.replace`, so a crash leaves nothing half-written.
     """
-    manager = PassManager(compile_config.passes, passes, tensor_parallel_size=model.layout.world_size,
-                          max_num_tokens=compile_config.max_num_tokens)
+    manager = PassManager(compile_config.passes, passes, tensor_parallel_size=model.layout.world_size)
     factors = model_factors(model, compile_config, passes)
     key = cache_key(factors)
     cache_dir = Path(cache_dir)
@@ -385,7 +386,7 @@ def build_artifact(
         variants = _build_variants(traced, manager, compile_config, timings, debug, progress, pieces)
         start = time.perf_counter()
         lm_head = _lm_head_choice(model, compile_config)
-        timings["lm_head_choice"] = time.perf_counter() - start
+        timings["gemm_choice"] = timings.get("gemm_choice", 0.0) + time.perf_counter() - start
         if dump_dir is not None:
             for rel, text in debug.items():
                 (Path(dump_dir) / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -400,7 +401,8 @@ def build_artifact(
                                    "seconds": round(v.report.seconds.get(p.name, 0.0), 4)}
                                   for p in manager.passes],  # a list: pipeline order
                        "kernel_choices": [c.as_dict() for c in v.report.kernel_choices],
-                       "gemm_choices": [c.as_dict() for c in v.report.gemm_choices]}
+                       "gemm_choices": [c.as_dict() for c in v.report.gemm_choices],
+                       "weight_formats": _weight_formats(traced, v)}
                       for v in variants],
             debug=debug,
             info={
@@ -409,7 +411,6 @@ def build_artifact(
                 "architecture": model.config.architecture,
                 "model_name": model_name,
                 "passes": [{"name": name, "uuid": uuid} for name, uuid in manager.uuids().items()],
-                "weight_formats": _weight_formats(traced, variants),
                 "lm_head": lm_head,
             },
         )

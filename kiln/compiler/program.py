@@ -98,6 +98,41 @@ class ByTokenCount:
                         f"lower max_num_batched_tokens or compile with a larger --max-num-tokens")
 
 
+class PackedWeights:
+    """A variant's forward with some weight arguments replaced by their packed forms: each variant
+    reads the formats its own GEMM choices asked for (`kiln.kernels.packed_linear`)."""
+
+    def __init__(self, forward: Callable, packed: dict[int, torch.Tensor]):
+        self.forward, self.packed = forward, list(packed.items())
+
+    def __call__(self, *args):
+        args = list(args)
+        for i, weight in self.packed:
+            args[i] = weight
+        return self.forward(*args)
+
+
+def pack_weights(inputs: list[GraphInput], model: nn.Module,
+                 formats: list[dict[str, str]]) -> list[dict[int, torch.Tensor]]:
+    """For each variant's {weight name: format}: {argument index: the packed weight}. A weight two
+    variants read in one format is packed once."""
+    weights = dict(model.named_parameters())
+    index = {spec.name: i for i, spec in enumerate(inputs) if spec.kind == "weight"}
+    wanted = sorted({(name, fmt) for f in formats for name, fmt in f.items()})
+    start = time.perf_counter()
+    # a weight per thread: oneDNN's reorder of one weight barely uses a second core
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+        packed = dict(zip(wanted, pool.map(lambda w: packed_linear.pack(w[1], weights[w[0]]), wanted)))
+    if wanted:
+        logger.info("packed %d weights for their kernels in %.2fs", len(wanted), time.perf_counter() - start)
+    return [{index[name]: packed[name, fmt] for name, fmt in f.items()} for f in formats]
+
+
+def program_of(forward: Callable):
+    """The stitching program object behind a variant's forward (its attributes are the pieces)."""
+    return (forward.forward if isinstance(forward, PackedWeights) else forward).__self__
+
+
 def load_program(source: str, filename: str, pieces: dict[str, Callable]) -> Callable:
     """Execute the stitching code of `kiln compile` and bind its compiled pieces."""
     namespace: dict = {"__name__": "kiln_program"}
@@ -111,27 +146,17 @@ class CompiledProgram:
     Weights are bound once here; each call binds only the batch's tensors and sizes.
     """
 
-    def __init__(self, graph: Callable, inputs: list[GraphInput], model: nn.Module,
-                 weight_formats: dict[str, str] | None = None, lm_head_format: str | None = None):
+    def __init__(self, graph: Callable, inputs: list[GraphInput], model: nn.Module, lm_head_format: str | None = None):
         self.graph, self.inputs = graph, inputs
         weights = dict(model.named_parameters()) | dict(model.named_buffers())
-        formats = weight_formats or {}
-        start = time.perf_counter()
         self._bound = [weights[spec.name] if spec.kind == "weight" else None for spec in inputs]
-        packing = [i for i, spec in enumerate(inputs) if spec.kind == "weight" and spec.name in formats]
-        # one weight at a time per thread: oneDNN's reorder of one weight barely uses a second core
-        with ThreadPoolExecutor(torch.get_num_threads()) as pool:
-            packed = pool.map(lambda i: packed_linear.pack(formats[inputs[i].name], self._bound[i]), packing)
-            for i, weight in zip(packing, packed):
-                self._bound[i] = weight
         self.compute_logits = getattr(model, "compute_logits", None)
         """Logits of the backbone's hidden states: the model's, with its LM head packed as the artifact asks."""
         if lm_head_format is not None and getattr(model, "lm_head_kernel", None) is None:  # else: an int8 head
+            start = time.perf_counter()
             self.compute_logits = functools.partial(model.compute_logits,
                                                     head=PackedHead(model.lm_head_weight(), lm_head_format))
-        if formats or lm_head_format:
-            logger.info("packed %d weights%s for their kernels in %.2fs", len(formats),
-                        " and the LM head" if lm_head_format else "", time.perf_counter() - start)
+            logger.info("packed the LM head in %.2fs", time.perf_counter() - start)
         self._per_call = [(i, spec) for i, spec in enumerate(inputs) if spec.kind in ("input", "meta", "kv_cache")]
         self._sizes = [(i, spec.of, spec.dim) for i, spec in enumerate(inputs) if spec.kind == "size"]
         self.capture_sizes: tuple[int, ...] = ()
@@ -150,7 +175,7 @@ class CompiledProgram:
             return
         pool = torch.cuda.graph_pool_handle()
         graphed = []
-        for program in {forward.__self__ for _, forward in self.graph.routes}:
+        for program in {program_of(forward) for _, forward in self.graph.routes}:
             for name, piece in list(vars(program).items()):
                 if isinstance(piece, SizedPiece) and piece.token_args:
                     graphed.append(GraphedPiece(piece, piece.token_args, self.capture_sizes, pool))

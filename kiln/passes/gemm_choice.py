@@ -3,10 +3,13 @@ for `mm`/`addmm`, and `kiln::scaled_mm`'s native form), or a oneDNN kernel on a 
 packs once at load (`kiln.kernels.packed_linear`). Decided by measurement per weight shape and kind,
 and recorded with the format each weight input takes.
 
-The token counts measured span the whole compile, not one size range: a weight is packed once and
-every variant of the program reads it, so all variants must agree on its format. A candidate is
-chosen only if it is faster at every count measured and, first, gives the baseline's numbers (an
-int8 kernel that saturates on this CPU is never chosen).
+Each size range is decided at its own token counts (its bounds, and a decode batch of 16 where the
+range holds it), the way the CUDA kernel choice is: small decode batches read weights and large ones
+compute, and the kernel that wins differs. On CPU the compile cuts the dynamic token range after
+SMALL_BATCH tokens for that; ranges whose decisions agree share one graph. A candidate is chosen only
+if it is faster at every count measured and, first, gives the baseline's numbers (an int8 kernel
+that saturates on this CPU is never chosen). A weight two variants read in two formats is packed
+(or kept) in both.
 """
 
 import logging
@@ -21,7 +24,6 @@ from torch import fx
 from torch._guards import detect_fake_mode
 
 from kiln.kernels import packed_linear
-from kiln.passes.kernel_choice import time_call
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +32,15 @@ aten, ops = torch.ops.aten, torch.ops.kiln
 MAX_MEASURED_TOKENS = 256
 """The largest token count a GEMM is timed at (a prefill chunk): larger ones rank the same, slowly."""
 DECODE_TOKENS = 16
-"""A mid-sized decode batch, timed between the compile's bounds."""
+"""A mid-sized decode batch, timed inside a range that holds it."""
+SMALL_BATCH = 8
+"""On CPU the dynamic token range is cut after this many tokens, so small decode batches (where a
+GEMM reads its weight once and per-call costs count) choose their kernels apart from the rest."""
 STREAM_BYTES = 96 << 20
-"""Weights are timed as a model reads them, from memory: enough copies to overflow the CPU's caches."""
-TIME_BUDGET_S = 0.25
+"""Weights are timed as a model reads them, from memory: enough copies to overflow the CPU's caches
+(at most MAX_COPIES: a model of weights that small stays in the caches when it runs, too)."""
+MAX_COPIES = 32
+TIME_BUDGET_S = 0.1
 """About how long one candidate is timed at one token count."""
 
 
@@ -55,9 +62,19 @@ class GemmChoice:
         return asdict(self)
 
 
-def measured_tokens(max_num_tokens: int) -> tuple[int, ...]:
-    """1, a decode batch and a prefill chunk, within the compile's max_num_tokens."""
-    return tuple(sorted({1, min(DECODE_TOKENS, max_num_tokens), min(MAX_MEASURED_TOKENS, max_num_tokens)}))
+def measured_tokens(size_range: tuple[int, int]) -> tuple[int, ...]:
+    """A range's bounds (the upper clipped to a prefill chunk) and a decode batch of 16 if it holds one."""
+    low, high = size_range
+    inside = {DECODE_TOKENS} if low < DECODE_TOKENS < high else set()
+    return tuple(sorted({low, min(high, max(low, MAX_MEASURED_TOKENS))} | inside))
+
+
+def split_small_batches(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`ranges` with the one holding both SMALL_BATCH and SMALL_BATCH + 1 cut between them."""
+    out = []
+    for low, high in ranges:
+        out += [(low, SMALL_BATCH), (SMALL_BATCH + 1, high)] if low <= SMALL_BATCH < high else [(low, high)]
+    return out
 
 
 @dataclass(frozen=True)
@@ -73,30 +90,27 @@ Timer = Callable[[Callable, Sequence], float]
 
 
 class GemmChooser:
-    """Rewrites a graph's projections to the kernels that measure fastest. Signatures measured once
-    are remembered, so every variant of one compile gets the same decisions."""
+    """Rewrites a graph's projections to the kernels that measure fastest for a size range. Each
+    (signature, token counts) is measured once per compile and remembered."""
 
-    def __init__(self, tokens: Sequence[int], timer: Timer | None = None):
-        self.tokens = tuple(tokens)
+    def __init__(self, timer: Timer | None = None):
         self.timer = timer
-        self._decided: dict[_Signature, GemmChoice] = {}
+        self._decided: dict[tuple[_Signature, tuple[int, ...]], GemmChoice] = {}
 
-    def __call__(self, graph: fx.Graph) -> tuple[list[GemmChoice], dict[str, str]]:
-        """Rewrite `graph` in place; returns this graph's choices and each packed weight's format
-        by placeholder target."""
-        sites: dict[_Signature, list[tuple[fx.Node, fx.Node]]] = {}
-        for node in list(graph.nodes):
-            site = _site(node)
-            if site is not None:
-                sig, weight = site
-                sites.setdefault(sig, []).append((node, weight))
+    def decisions(self, graph: fx.Graph, size_range: tuple[int, int]) -> tuple[tuple[_Signature, str], ...]:
+        """Each projection signature in `graph` and the kernel it gets for `size_range` (measured
+        now if new): what tells whether two ranges can share one graph."""
+        tokens = measured_tokens(size_range)
+        return tuple((sig, self.choose(sig, tokens).kernel) for sig in _sites(graph))
+
+    def __call__(self, graph: fx.Graph, size_range: tuple[int, int]) -> tuple[list[GemmChoice], dict[str, str]]:
+        """Rewrite `graph` in place for `size_range`; returns its choices and each packed weight's
+        format by placeholder target."""
+        tokens = measured_tokens(size_range)
         formats: dict[str, str] = {}
         choices = []
-        for sig, nodes in sites.items():
-            nodes = [(n, w) for n, w in nodes if _only_read_by_gemms(w)]
-            if not nodes:
-                continue
-            choice = self.choose(sig)
+        for sig, nodes in _sites(graph).items():
+            choice = self.choose(sig, tokens)
             choices.append(_with_calls(choice, len(nodes)))
             packed = choice.kernel != "aten"
             if not packed and sig.kind != "int8":  # torch's GEMM is what the graph calls already
@@ -107,14 +121,25 @@ class GemmChooser:
                     formats[weight.target] = choice.kernel
         return choices, formats
 
-    def choose(self, sig: _Signature) -> GemmChoice:
-        if sig not in self._decided:
+    def choose(self, sig: _Signature, tokens: tuple[int, ...]) -> GemmChoice:
+        if (sig, tokens) not in self._decided:
             start = time.perf_counter()
-            self._decided[sig] = choice = _measure(sig, self.tokens, self.timer or _streamed_time)
-            logger.info("GEMM %s %s %s: %s (%s; %.1fs)", sig.kind, list(sig.shape), str(sig.dtype).removeprefix("torch."),
-                        choice.kernel, ", ".join(f"{k} {'/'.join(f'{v:.3f}' for v in ms)} ms"
-                                                 for k, ms in choice.ms.items()), time.perf_counter() - start)
-        return self._decided[sig]
+            self._decided[sig, tokens] = choice = _measure(sig, tokens, self.timer or _streamed_time)
+            logger.info("GEMM %s %s %s at %s tokens: %s (%s; %.1fs)", sig.kind, list(sig.shape),
+                        str(sig.dtype).removeprefix("torch."), list(tokens), choice.kernel,
+                        ", ".join(f"{k} {'/'.join(f'{v:.3f}' for v in ms)} ms" for k, ms in choice.ms.items()),
+                        time.perf_counter() - start)
+        return self._decided[sig, tokens]
+
+
+def _sites(graph: fx.Graph) -> dict[_Signature, list[tuple[fx.Node, fx.Node]]]:
+    """The projections of weight inputs that only projections read, by signature: (node, weight)."""
+    sites: dict[_Signature, list[tuple[fx.Node, fx.Node]]] = {}
+    for node in graph.nodes:
+        site = _site(node)
+        if site is not None and _only_read_by_gemms(site[1]):
+            sites.setdefault(site[0], []).append((node, site[1]))
+    return sites
 
 
 def lm_head_choice(weight: torch.Tensor, tokens: Sequence[int], timer: Timer | None = None) -> GemmChoice:
@@ -254,11 +279,16 @@ _CANDIDATES = {"float": "onednn", "int8": "onednn_int8", "fp8": "onednn_fp8_as_f
 
 
 def _streamed_time(fn: Callable, args: Sequence) -> float:
-    """Median ms of `fn(*args)`, with a number of repeats that keeps the timing near TIME_BUDGET_S."""
-    start = time.perf_counter()
-    fn(*args)
-    once = time.perf_counter() - start
-    return time_call(fn, args, repeats=max(3, min(20, int(TIME_BUDGET_S / max(once, 1e-6)))))
+    """The fastest of a few calls of `fn(*args)`, in ms, as many as fit in about TIME_BUDGET_S. The
+    least, not the median: on a shared machine other work only ever adds time, and the kernels being
+    compared run alike."""
+    fn(*args)  # warm-up: first-call costs (oneDNN builds its primitive)
+    times = []
+    while len(times) < 3 or (sum(times) < TIME_BUDGET_S and len(times) < 50):
+        start = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
 
 
 def _measure(sig: _Signature, tokens: tuple[int, ...], timer: Timer) -> GemmChoice:
@@ -267,8 +297,9 @@ def _measure(sig: _Signature, tokens: tuple[int, ...], timer: Timer) -> GemmChoi
     n, k = sig.shape
     candidate = _CANDIDATES[sig.kind]
     generator = torch.Generator().manual_seed(n * 31 + k)
-    copies = max(1, min(16, math.ceil(STREAM_BYTES / (n * k * sig.dtype.itemsize))))
-    plain = [_random_weight(sig, generator) for _ in range(copies)]
+    copies = max(1, min(MAX_COPIES, math.ceil(STREAM_BYTES / (n * k * sig.dtype.itemsize))))
+    first = _random_weight(sig, generator)
+    plain = [first] + [first.clone() for _ in range(copies - 1)]  # copies stream as distinct weights would
     scale = torch.rand(n, generator=generator) * 0.01 + 1e-3
     bias = torch.randn(n, generator=generator).to(_act_dtype(sig)) if sig.bias else None
     rejected = {}

@@ -145,6 +145,6 @@ class Lowering(PatternPass):
 
     def __call__(self, graph: fx.Graph) -> int:
         _gather_then_norm(graph)  # counted below, as the norm it exposes
-        self.gemm_choices, self.weight_formats = self.gemms(graph) if self.gemms is not None else ([], {})
+        self.gemm_choices, self.weight_formats = ([], {}) if self.gemms is None else self.gemms(graph, self.size_range)
         self.choices = choose_kernels(graph, measured_tokens(self.size_range)) if self.choose else []
         return _lower_rotary(graph) + super().__call__(graph)

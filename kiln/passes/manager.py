@@ -22,7 +22,7 @@ from kiln.passes.fusion.allreduce_rms import AllReduceRMSFusion
 from kiln.passes.fusion.attn_quant import AttentionQuantFusion
 from kiln.passes.fusion.rms_quant import RMSNormQuantFusion
 from kiln.passes.fusion.rope_kvcache import RopeKVCacheFusion
-from kiln.passes.gemm_choice import GemmChoice, GemmChooser, measured_tokens
+from kiln.passes.gemm_choice import GemmChoice, GemmChooser
 from kiln.passes.kernel_choice import KernelChoice
 from kiln.passes.lowering import Lowering
 
@@ -66,7 +66,7 @@ class PassManager:
     """Runs the configured pipeline on a traced graph, in order, and names it for the cache key."""
 
     def __init__(self, config: PassConfig | None = None, custom: Sequence[GraphPass] = (),
-                 tensor_parallel_size: int = 1, max_num_tokens: int = 2048):
+                 tensor_parallel_size: int = 1):
         config = config or PassConfig()
         builtin: list[tuple[bool, GraphPass]] = [
             (config.noop_elimination, NoOpElimination()),
@@ -77,9 +77,10 @@ class PassManager:
             (config.attn_quant, AttentionQuantFusion()),
         ]
         self.passes: list[GraphPass] = [p for on, p in builtin if on] + list(custom)
+        self.gemms: GemmChooser | None = None
         if config.lowering:
-            gemms = GemmChooser(measured_tokens(max_num_tokens)) if config.gemm_choice else None
-            self.passes.append(Lowering(choose=config.kernel_choice, gemms=gemms))
+            self.gemms = GemmChooser() if config.gemm_choice else None
+            self.passes.append(Lowering(choose=config.kernel_choice, gemms=self.gemms))
         self.passes.append(DeadCodeElimination())
         names = [p.name for p in self.passes]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -94,12 +95,14 @@ class PassManager:
         """Names of the passes that run for graphs serving `size_range`."""
         return tuple(p.name for p in self.passes if p.applies_to(size_range))
 
-    def group(self, size_ranges: Sequence[SizeRange]) -> list[list[SizeRange]]:
-        """`size_ranges` grouped by the passes that apply to them, in first-seen order: each group
-        needs one graph (kiln's passes apply everywhere, so by default there is one group)."""
-        groups: dict[tuple[str, ...], list[SizeRange]] = {}
+    def group(self, size_ranges: Sequence[SizeRange], graph: fx.Graph | None = None) -> list[list[SizeRange]]:
+        """`size_ranges` grouped by the passes that apply to them and, given the traced `graph`, by the
+        kernels the CPU GEMM choice gives its projections there, in first-seen order: each group needs
+        one graph (kiln's passes apply everywhere, so by default kernels alone split them)."""
+        groups: dict[tuple, list[SizeRange]] = {}
         for size_range in size_ranges:
-            groups.setdefault(self.applicable(size_range), []).append(size_range)
+            kernels = self.gemms.decisions(graph, size_range) if graph is not None and self.gemms else ()
+            groups.setdefault((self.applicable(size_range), kernels), []).append(size_range)
         return list(groups.values())
 
     def run(self, graph: fx.GraphModule, size_range: SizeRange) -> PassReport:

@@ -20,6 +20,7 @@ from kiln.compiler.counters import counters
 from kiln.compiler.key import cache_key, key_factors
 from kiln.config import CompileConfig
 from kiln.models.config import ModelConfig
+from kiln.passes.gemm_choice import measured_tokens
 from tests.oracle import PROMPTS
 from tests.processes import bare_env
 
@@ -228,17 +229,20 @@ def test_manifest_records_factors_contract_and_timings(llama_artifact):
     assert manifest["key"] == llama_artifact.name == cache_key(manifest["factors"])
     assert manifest["factors"]["model"]["num_layers"] == 4 and manifest["factors"]["dtype"] == "float32"
     assert manifest["factors"]["system"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
-    assert set(manifest["timings"]) == {"trace", "passes", "split", "compile", "lm_head_choice"}
-    [variant] = manifest["variants"]  # every kiln pass applies to every size: one variant
-    assert variant["ranges"] == [[1, 2048]] and variant["sizes"] == []
-    assert variant["kernel_choices"] == []  # on CPU no kernel competes with Inductor's code
-    # each projection shape timed against its packed kernel; the winners' weights are packed at load
-    gemms = variant["gemm_choices"]
-    assert len(gemms) == 4 and sum(c["calls"] for c in gemms) == 4 * 4 and {c["kind"] for c in gemms} == {"float"}
-    assert all(c["tokens"] == [1, 16, 256] and set(c["ms"]) == {"aten", "onednn"} for c in gemms)
-    packed = {tuple(c["shape"]) for c in gemms if c["kernel"] == "onednn"}
+    assert set(manifest["timings"]) == {"trace", "gemm_choice", "passes", "split", "compile"}
+    # every kiln pass applies to every size; small batches choose their GEMM kernels apart from the
+    # rest, and where the choices agree the two ranges are one variant
+    assert [v["ranges"] for v in manifest["variants"]] in ([[[1, 8], [9, 2048]]], [[[1, 8]], [[9, 2048]]])
     weights = [e for e in manifest["inputs"] if e["kind"] == "weight" and e["name"].endswith("proj.weight")]
-    assert manifest["weight_formats"] == {e["name"]: "onednn" for e in weights if tuple(e["shape"]) in packed}
+    for variant in manifest["variants"]:
+        assert variant["sizes"] == [] and variant["kernel_choices"] == []  # on CPU no kernel competes with Inductor's
+        # each projection shape timed against its packed kernel; the winners' weights are packed at load
+        gemms = variant["gemm_choices"]
+        assert len(gemms) == 4 and sum(c["calls"] for c in gemms) == 4 * 4 and {c["kind"] for c in gemms} == {"float"}
+        tokens = list(measured_tokens(tuple(variant["ranges"][0])))  # a variant's ranges share their choices
+        assert all(c["tokens"] == tokens and set(c["ms"]) == {"aten", "onednn"} for c in gemms)
+        packed = {tuple(c["shape"]) for c in gemms if c["kernel"] == "onednn"}
+        assert variant["weight_formats"] == {e["name"]: "onednn" for e in weights if tuple(e["shape"]) in packed}
     assert manifest["lm_head"]["choice"]["tokens"] == [1, 16]
     assert manifest["lm_head"]["format"] == (None if manifest["lm_head"]["choice"]["kernel"] == "aten" else "onednn")
     assert len(variant["pieces"]) == 5 and len({p["sizes"]["dynamic"]["sha256"] for p in variant["pieces"].values()}) == 3
@@ -341,3 +345,31 @@ def test_an_artifact_named_by_path_runs_without_a_key_lookup(demo_dirs, llama_ar
         LLM(demo_dirs["llama"], artifact=llama_artifact, max_num_batched_tokens=4096)
     with pytest.raises(artifact.ArtifactMissing):
         LLM(demo_dirs["llama"], artifact=tmp_path / "nothing")
+
+
+def test_variants_read_the_weight_formats_their_gemm_choices_asked_for(demo_dirs, tmp_path, monkeypatch):
+    """Small batches and the rest choose their GEMM kernels apart; where the choices differ the artifact
+    holds a variant for each, each reading the weights in its own format, and both give eager's tokens."""
+    from kiln.passes import gemm_choice
+
+    turns = []
+
+    def packed_wins_above_small_batches(fn, args):  # the baseline is timed first at each count
+        turns.append(args[0].shape[0])
+        if len(turns) % 2 == 1:
+            return 2.0
+        return 3.0 if args[0].shape[0] <= gemm_choice.SMALL_BATCH else 1.0
+
+    monkeypatch.setattr(gemm_choice, "_streamed_time", packed_wins_above_small_batches)
+    llm = LLM(demo_dirs["llama"], compile=True, cache_dir=tmp_path)
+    manifest = artifact.read_manifest(llm.artifact_path)
+    small, rest = manifest["variants"]
+    assert small["ranges"] == [[1, gemm_choice.SMALL_BATCH]] and rest["ranges"] == [[gemm_choice.SMALL_BATCH + 1, 2048]]
+    assert small["weight_formats"] == {} and len(rest["weight_formats"]) == 4 * 4
+    assert {c["kernel"] for c in small["gemm_choices"]} == {"aten"} and {c["kernel"] for c in rest["gemm_choices"]} == {
+        "onednn"}
+    eager = LLM(demo_dirs["llama"])
+    for prompts in (PROMPTS[:1], PROMPTS):  # decodes of 1 and of 8 sequences; prefills of more than 8 tokens
+        for got, want in zip(llm.generate(prompts, GREEDY), eager.generate(prompts, GREEDY)):
+            assert got.token_ids == want.token_ids
+            torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-4, rtol=0)

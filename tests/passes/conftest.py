@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.compiler.program import CompiledProgram
+from kiln.compiler.program import CompiledProgram, PackedWeights, pack_weights
 from kiln.compiler.trace import TracedBackbone, trace_backbone
 from kiln.config import EngineConfig
 from kiln.runtime.engine import Engine
@@ -43,7 +43,10 @@ def run_graph(llm: LLM, traced: TracedBackbone, prompts, params, weight_formats:
     """Generate with `traced`'s graph run eagerly as the model's forward (no Inductor involved), the
     weights named in `weight_formats` packed as a loaded artifact's are."""
     saved = llm.engine
-    program = CompiledProgram(traced.graph, traced.inputs, llm.model, weight_formats)
+    graph = traced.graph
+    if weight_formats:
+        graph = PackedWeights(graph, pack_weights(traced.inputs, llm.model, [weight_formats])[0])
+    program = CompiledProgram(graph, traced.inputs, llm.model)
     llm.engine = Engine(llm.model, EngineConfig(), llm.tokenizer, forward=program)
     try:
         return llm.generate(prompts, params)

@@ -8,7 +8,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from kiln.kernels import packed_linear
 from kiln.passes import count_ops, gemm_choice
-from kiln.passes.gemm_choice import GemmChooser, measured_tokens
+from kiln.config import PassConfig
+from kiln.passes import PassManager
+from kiln.passes.gemm_choice import SMALL_BATCH, GemmChooser, measured_tokens, split_small_batches
 from tests.passes.conftest import SCHEMES, assert_same_outputs, fresh
 
 ops, aten = torch.ops.kiln, torch.ops.aten
@@ -38,7 +40,7 @@ def test_float_projections_move_to_packed_weights(quantized_llms, traced_graphs)
     llm, traced = quantized_llms[None], fresh(traced_graphs[None])
     layers = llm.model_config.num_layers
     timed = []
-    choices, formats = GemmChooser((1, 16), timer=packed_faster(timed))(traced.graph.graph)
+    choices, formats = GemmChooser(timer=packed_faster(timed))(traced.graph.graph, (1, 16))
     traced.graph.recompile()
     graph = traced.graph.graph
     assert count_ops(graph, ops.onednn_linear) == 4 * layers  # qkv, o, gate_up, down
@@ -55,7 +57,7 @@ def test_float_projections_move_to_packed_weights(quantized_llms, traced_graphs)
 def test_slower_kernel_is_not_chosen(traced_graphs):
     traced = fresh(traced_graphs[None])
     before = traced.graph.code
-    choices, formats = GemmChooser((1,), timer=lambda fn, args: 1.0)(traced.graph.graph)  # a tie keeps torch's
+    choices, formats = GemmChooser(timer=lambda fn, args: 1.0)(traced.graph.graph, (1, 1))  # a tie keeps torch's
     assert formats == {} and all(c.kernel == "aten" for c in choices)
     traced.graph.recompile()
     assert traced.graph.code == before
@@ -67,7 +69,7 @@ def test_quantized_projections_move_to_packed_weights(quantized_llms, traced_gra
     layers = llm.model_config.num_layers
     if scheme.startswith("int8") and not packed_linear.int8_gemm_exact():
         pytest.skip("oneDNN's int8 GEMM saturates on this CPU: never chosen here")
-    choices, formats = GemmChooser((1, 16), timer=packed_faster())(traced.graph.graph)
+    choices, formats = GemmChooser(timer=packed_faster())(traced.graph.graph, (1, 16))
     traced.graph.recompile()
     graph = traced.graph.graph
     assert count_ops(graph, ops.scaled_mm) == 0
@@ -85,7 +87,7 @@ def test_int8_without_the_packed_kernel_calls_int_mm_in_the_graph(quantized_llms
     """torch's int8 GEMM goes into the graph itself (AOTInductor calls it from C++), its scales after it."""
     llm, traced = quantized_llms["int8"], fresh(traced_graphs["int8"])
     layers = llm.model_config.num_layers
-    choices, formats = GemmChooser((1,), timer=lambda fn, args: 1.0)(traced.graph.graph)  # a tie: torch's
+    choices, formats = GemmChooser(timer=lambda fn, args: 1.0)(traced.graph.graph, (1, 1))  # a tie: torch's
     traced.graph.recompile()
     graph = traced.graph.graph
     assert formats == {} and {c.kernel for c in choices} == {"aten"}
@@ -97,7 +99,7 @@ def test_kernel_with_other_numbers_is_rejected(traced_graphs, monkeypatch):
     real = packed_linear.pack
     monkeypatch.setattr(packed_linear, "pack", lambda fmt, w: real(fmt, w * 2))  # a kernel that gets it wrong
     traced = fresh(traced_graphs[None])
-    choices, formats = GemmChooser((1,), timer=packed_faster())(traced.graph.graph)
+    choices, formats = GemmChooser(timer=packed_faster())(traced.graph.graph, (1, 1))
     assert formats == {} and count_ops(traced.graph.graph, ops.onednn_linear) == 0
     assert all(c.kernel == "aten" and "differs from torch's GEMM" in c.rejected["onednn"] for c in choices)
 
@@ -107,13 +109,35 @@ def test_weight_read_by_anything_else_stays_unpacked():
         return x @ w.t(), w.sum(), x @ v.t()  # w is also summed: an opaque packed w could not be
 
     gm = make_fx(f, tracing_mode="fake")(torch.randn(3, 8), torch.randn(16, 8), torch.randn(16, 8))
-    _, formats = GemmChooser((1,), timer=packed_faster())(gm.graph)
+    _, formats = GemmChooser(timer=packed_faster())(gm.graph, (1, 1))
     assert formats == {"v_1": "onednn"}
     assert count_ops(gm.graph, ops.onednn_linear) == 1 and count_ops(gm.graph, aten.mm) == 1
 
 
-def test_measured_tokens_span_the_compile():
-    assert measured_tokens(2048) == (1, 16, 256)
-    assert measured_tokens(8) == (1, 8)
-    assert measured_tokens(1) == (1,)
-    assert gemm_choice.MAX_MEASURED_TOKENS == 256
+def test_each_range_is_measured_at_its_own_counts():
+    assert measured_tokens((1, 2048)) == (1, 16, 256)
+    assert measured_tokens((1, 8)) == (1, 8) and measured_tokens((1, 1)) == (1,)
+    assert measured_tokens((9, 2048)) == (9, 16, 256) and measured_tokens((17, 2048)) == (17, 256)
+    assert measured_tokens((300, 2048)) == (300,)  # a prefill chunk is as far as a GEMM is timed
+    assert split_small_batches([(1, 2048)]) == [(1, 8), (9, 2048)]
+    assert split_small_batches([(1, 4), (5, 64)]) == [(1, 4), (5, 8), (9, 64)]
+    assert split_small_batches([(1, 8), (9, 16)]) == [(1, 8), (9, 16)]
+
+
+def small_batches_keep_torch(fn, args):
+    """A stand-in timer: the packed kernel (timed second at each count) wins above SMALL_BATCH only."""
+    small_batches_keep_torch.calls += 1
+    baseline = small_batches_keep_torch.calls % 2 == 1
+    return 2.0 if baseline else (3.0 if args[0].shape[0] <= SMALL_BATCH else 1.0)
+
+
+def test_ranges_whose_kernels_differ_get_graphs_of_their_own(traced_graphs):
+    small_batches_keep_torch.calls = 0
+    manager = PassManager()
+    manager.gemms.timer = small_batches_keep_torch
+    graph = traced_graphs[None].graph.graph
+    assert manager.group([(1, 8), (9, 2048), (16, 16)], graph) == [[(1, 8)], [(9, 2048), (16, 16)]]
+    same = PassManager()
+    same.gemms.timer = packed_faster()
+    assert same.group([(1, 8), (9, 2048)], graph) == [[(1, 8), (9, 2048)]]
+    assert PassManager(PassConfig(gemm_choice=False)).group([(1, 8), (9, 2048)], graph) == [[(1, 8), (9, 2048)]]
