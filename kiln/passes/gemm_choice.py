@@ -8,8 +8,9 @@ range holds it), the way the CUDA kernel choice is: small decode batches read we
 compute, and the kernel that wins differs. On CPU the compile cuts the dynamic token range after
 SMALL_BATCH tokens for that; ranges whose decisions agree share one graph. A candidate is chosen only
 if it is faster at every count measured and, first, gives the baseline's numbers (an int8 kernel
-that saturates on this CPU is never chosen). A weight two variants read in two formats is packed
-(or kept) in both.
+that saturates on this CPU is never chosen). fp8 weights are always widened and packed once (torch's
+form widens them on every call); projections too small to time apart keep torch's GEMM. A weight two
+variants read in two formats is packed (or kept) in both.
 """
 
 import logging
@@ -40,6 +41,9 @@ STREAM_BYTES = 96 << 20
 """Weights are timed as a model reads them, from memory: enough copies to overflow the CPU's caches
 (at most MAX_COPIES: a model of weights that small stays in the caches when it runs, too)."""
 MAX_COPIES = 32
+MIN_TIMED_ELEMENTS = 1 << 19
+"""A projection of fewer weight elements (N x K) takes microseconds with either kernel: its timing is
+noise (it would pick kernels, and split variants, at random), so torch's GEMM is kept untimed."""
 TIME_BUDGET_S = 0.1
 """About how long one candidate is timed at one token count."""
 
@@ -296,6 +300,9 @@ def _measure(sig: _Signature, tokens: tuple[int, ...], timer: Timer) -> GemmChoi
     copies to stream from memory as a model's do."""
     n, k = sig.shape
     candidate = _CANDIDATES[sig.kind]
+    if sig.kind != "fp8" and n * k < MIN_TIMED_ELEMENTS:
+        return GemmChoice(sig.kind, sig.shape, str(sig.dtype).removeprefix("torch."), "aten", tokens, {},
+                          rejected={candidate: f"{n} x {k} weights: too small to time apart"})
     generator = torch.Generator().manual_seed(n * 31 + k)
     copies = max(1, min(MAX_COPIES, math.ceil(STREAM_BYTES / (n * k * sig.dtype.itemsize))))
     first = _random_weight(sig, generator)
@@ -321,6 +328,9 @@ def _measure(sig: _Signature, tokens: tuple[int, ...], timer: Timer) -> GemmChoi
             rejected[candidate] = problem
             del runs[candidate]
     ms: dict[str, list[float]] = {name: [] for name in runs}
+    if sig.kind == "fp8":  # no timing needed: torch's form widens the whole weight on every call
+        return GemmChoice(sig.kind, sig.shape, str(sig.dtype).removeprefix("torch."),
+                          candidate if candidate in runs else "aten", tokens, {}, rejected=rejected)
     for t in tokens:
         x = _random_input(sig, t, generator)
         for name, run in runs.items():

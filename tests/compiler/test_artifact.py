@@ -231,18 +231,15 @@ def test_manifest_records_factors_contract_and_timings(llama_artifact):
     assert manifest["factors"]["system"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert set(manifest["timings"]) == {"trace", "gemm_choice", "passes", "split", "compile"}
     # every kiln pass applies to every size; small batches choose their GEMM kernels apart from the
-    # rest, and where the choices agree the two ranges are one variant
-    assert [v["ranges"] for v in manifest["variants"]] in ([[[1, 8], [9, 2048]]], [[[1, 8]], [[9, 2048]]])
-    weights = [e for e in manifest["inputs"] if e["kind"] == "weight" and e["name"].endswith("proj.weight")]
-    for variant in manifest["variants"]:
-        assert variant["sizes"] == [] and variant["kernel_choices"] == []  # on CPU no kernel competes with Inductor's
-        # each projection shape timed against its packed kernel; the winners' weights are packed at load
-        gemms = variant["gemm_choices"]
-        assert len(gemms) == 4 and sum(c["calls"] for c in gemms) == 4 * 4 and {c["kind"] for c in gemms} == {"float"}
-        tokens = list(measured_tokens(tuple(variant["ranges"][0])))  # a variant's ranges share their choices
-        assert all(c["tokens"] == tokens and set(c["ms"]) == {"aten", "onednn"} for c in gemms)
-        packed = {tuple(c["shape"]) for c in gemms if c["kernel"] == "onednn"}
-        assert variant["weight_formats"] == {e["name"]: "onednn" for e in weights if tuple(e["shape"]) in packed}
+    # rest, and the two agree here: the demo's projections are too small to time, torch's GEMM stays
+    [variant] = manifest["variants"]
+    assert variant["ranges"] == [[1, 8], [9, 2048]] and variant["sizes"] == []
+    assert variant["kernel_choices"] == []  # on CPU no kernel competes with Inductor's code
+    gemms = variant["gemm_choices"]
+    assert len(gemms) == 4 and sum(c["calls"] for c in gemms) == 4 * 4 and {c["kind"] for c in gemms} == {"float"}
+    assert all(c["tokens"] == list(measured_tokens((1, 8))) and c["kernel"] == "aten" and c["ms"] == {}
+               for c in gemms)
+    assert variant["weight_formats"] == {}
     assert manifest["lm_head"]["choice"]["tokens"] == [1, 16]
     assert manifest["lm_head"]["format"] == (None if manifest["lm_head"]["choice"]["kernel"] == "aten" else "onednn")
     assert len(variant["pieces"]) == 5 and len({p["sizes"]["dynamic"]["sha256"] for p in variant["pieces"].values()}) == 3
@@ -361,6 +358,7 @@ def test_variants_read_the_weight_formats_their_gemm_choices_asked_for(demo_dirs
         return 3.0 if args[0].shape[0] <= gemm_choice.SMALL_BATCH else 1.0
 
     monkeypatch.setattr(gemm_choice, "_streamed_time", packed_wins_above_small_batches)
+    monkeypatch.setattr(gemm_choice, "MIN_TIMED_ELEMENTS", 0)  # the demo's projections are time-worthy here
     llm = LLM(demo_dirs["llama"], compile=True, cache_dir=tmp_path)
     manifest = artifact.read_manifest(llm.artifact_path)
     small, rest = manifest["variants"]

@@ -17,6 +17,21 @@ ops, aten = torch.ops.kiln, torch.ops.aten
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
 
+@pytest.fixture(autouse=True)
+def time_even_tiny_projections(monkeypatch):
+    """The demo models' projections are below the size worth timing: let these tests time them."""
+    monkeypatch.setattr(gemm_choice, "MIN_TIMED_ELEMENTS", 0)
+
+
+def test_projections_too_small_to_time_keep_torchs_gemm(traced_graphs, monkeypatch):
+    monkeypatch.setattr(gemm_choice, "MIN_TIMED_ELEMENTS", 1 << 19)
+    traced = fresh(traced_graphs[None])
+    timed = []
+    choices, formats = GemmChooser(timer=packed_faster(timed))(traced.graph.graph, (1, 16))
+    assert formats == {} and timed == [] and count_ops(traced.graph.graph, ops.onednn_linear) == 0
+    assert all(c.kernel == "aten" and c.ms == {} and "too small to time" in c.rejected["onednn"] for c in choices)
+
+
 def packed_faster(timed: list | None = None):
     """A stand-in timer: within each token count the baseline is timed first, then the candidate."""
     calls = []
