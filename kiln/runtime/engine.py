@@ -13,7 +13,8 @@ from kiln.errors import KilnError
 from kiln.models.llama import CausalLM
 from kiln.runtime.kv_cache import allocate_kv_caches, num_kv_blocks
 from kiln.runtime.runner import ForwardFn, ModelRunner
-from kiln.runtime.sampler import SamplingParams, sample
+from kiln.runtime.penalties import adjust_logits
+from kiln.runtime.sampler import SamplingParams, sample, token_logprobs
 from kiln.runtime.scheduler import Scheduler, Sequence
 from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -34,6 +35,12 @@ class RequestOutput:
     finish_reason: str | None
     """"stop" (EOS, stop token or stop string), "length" (max_tokens or max_model_len), "abort";
     None while the request runs."""
+    prompt_logprobs: list[float | None] | None = None
+    """Each prompt token's logprob (None for the first), when SamplingParams.prompt_logprobs is set."""
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    """The top-k alternatives at each prompt position, when SamplingParams.prompt_logprobs > 0."""
+    prompt_ranks: list[int | None] | None = None
+    """Each prompt token's rank in its position's distribution (1: the most likely)."""
 
     @property
     def finished(self) -> bool:
@@ -96,6 +103,9 @@ class Engine:
                 f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len}, "
                 "which leaves no room to generate"
             )
+        bad = next((t for t in (*params.logit_bias, *params.stop_token_ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise KilnError(f"token id {bad} (in logit_bias or stop_token_ids) is outside the vocabulary [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise KilnError("stop strings need a tokenizer, and this model directory has none")
 
@@ -137,11 +147,18 @@ class Engine:
                                "(--kv-cache-memory)")
             return []
         rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)) if n == s.num_pending]
-        logits = self.runner.execute(batch, rows)
+        scoring = [i for i, s in enumerate(batch.seqs)
+                   if s.params.prompt_logprobs is not None and len(s.prompt_logprobs) < len(s.prompt_token_ids)]
+        logits, every = self.runner.execute(batch, rows, scoring)
+        for i, chunk in zip(scoring, every):
+            self._score_prompt(batch.seqs[i], chunk)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             self.scheduler.computed(seq, n)
         sampling = [batch.seqs[i] for i in rows]
-        result = sample(logits, [s.params for s in sampling], [s.generator for s in sampling], self.default_generator)
+        params = [s.params for s in sampling]
+        adjusted = adjust_logits(logits, params, [s.prompt_token_ids for s in sampling],
+                                 [s.output_token_ids for s in sampling], self.eos_token_ids)
+        result = sample(logits, params, [s.generator for s in sampling], self.default_generator, adjusted)
         outputs = []
         for seq, token, logprob, top in zip(sampling, result.token_ids, result.logprobs, result.top_logprobs):
             seq.token_ids.append(token)
@@ -154,10 +171,28 @@ class Engine:
             outputs.append(self._output(seq, cut))
         return outputs
 
+    @staticmethod
+    def _score_prompt(seq: Sequence, logits: torch.Tensor) -> None:
+        """Record the logprobs of the prompt tokens that `logits` (one per token of `seq` run this step)
+        predict, past those recorded already (a preempted sequence runs its prompt again)."""
+        first, prompt = seq.num_computed, seq.prompt_token_ids
+        targets = range(len(seq.prompt_logprobs), min(first + len(logits), len(prompt) - 1) + 1)
+        if not targets:
+            return
+        rows = logits[targets.start - 1 - first: targets.stop - 1 - first]
+        k = seq.params.prompt_logprobs
+        found, alts, ranks = token_logprobs(rows, [prompt[j] for j in targets], [k] * len(targets), ranks=True)
+        seq.prompt_logprobs += found
+        seq.prompt_top_logprobs += alts
+        seq.prompt_ranks += ranks
+
     def _check_stop(self, seq: Sequence, token: int, new_chars: int) -> tuple[str | None, int | None]:
         """(finish reason or None, where a stop string cuts the text or None). A stop string not
-        found before must end in the `new_chars` characters this token added: only that tail is searched."""
+        found before must end in the `new_chars` characters this token added: only that tail is searched.
+        Before `min_tokens` tokens only the length limits stop a request."""
         p = seq.params
+        if len(seq.output_token_ids) < p.min_tokens:
+            return ("length", None) if len(seq.token_ids) >= self.max_model_len else (None, None)
         if p.stop and new_chars:
             text = seq.detokenizer.text
             tail = len(text) - new_chars
@@ -189,4 +224,7 @@ class Engine:
             logprobs=list(seq.logprobs) if want else None,
             top_logprobs=list(seq.top_logprobs) if want and seq.params.logprobs else None,
             finish_reason=seq.finish_reason,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
+            prompt_top_logprobs=list(seq.prompt_top_logprobs) if seq.params.prompt_logprobs else None,
+            prompt_ranks=list(seq.prompt_ranks) if seq.params.prompt_logprobs is not None else None,
         )

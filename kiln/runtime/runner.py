@@ -1,7 +1,8 @@
 """Turns a scheduled batch into graph inputs, calls the forward, and returns logits for the
 sequences that sample this step."""
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -55,10 +56,14 @@ class ModelRunner:
         return t(ids, torch.int64), t(positions, torch.int64), meta
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, sample_rows: list[int]) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, sample_rows: list[int], every_token_rows: Sequence[int] = ()
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Run the batch; return fp32 logits [len(sample_rows), vocab] at the last token of each
-        listed sequence (by index into `batch.seqs`)."""
+        listed sequence (by index into `batch.seqs`) and, for each of `every_token_rows`, the logits at
+        every token it ran (for prompt logprobs)."""
         input_ids, positions, meta = self.prepare(batch)
         hidden = self.forward(input_ids, positions, self.kv_caches, meta)
         last = meta.query_start_loc[1:].long() - 1
-        return self.compute_logits(hidden[last[sample_rows]])
+        starts = list(itertools.accumulate(batch.num_tokens, initial=0))
+        every = [self.compute_logits(hidden[starts[r]:starts[r + 1]]) for r in every_token_rows]
+        return self.compute_logits(hidden[last[sample_rows]]), every

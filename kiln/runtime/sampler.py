@@ -1,4 +1,5 @@
-"""Sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, and logprobs."""
+"""Sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, and logprobs (penalties and
+biases adjust the logits first: `penalties.py`)."""
 
 from dataclasses import dataclass, field
 
@@ -27,6 +28,20 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     """None: no logprobs. 0: the chosen token's. k: also the k most likely tokens' at each step."""
+    prompt_logprobs: int | None = None
+    """None: none. 0: each prompt token's logprob given the tokens before it (the first token has
+    none). k: also the k most likely tokens' at each prompt position."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token generated so far (OpenAI's and vLLM's formula)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it has been generated."""
+    repetition_penalty: float = 1.0
+    """Tokens of the prompt or the output: positive logits divided by it, negative ones multiplied."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Added to the logits of these token ids."""
+    min_tokens: int = 0
+    """Until this many tokens are generated, EOS and `stop_token_ids` cannot be sampled and stop
+    strings do not stop."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +58,18 @@ class SamplingParams:
             raise KilnError(f"top_k must be -1 (off) or >= 0, got {self.top_k}")
         if self.logprobs is not None and self.logprobs < 0:
             raise KilnError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise KilnError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise KilnError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise KilnError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise KilnError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}
+        if any(not -100 <= v <= 100 for v in self.logit_bias.values()):
+            raise KilnError("logit_bias values must be in [-100, 100]")
         if any(not s for s in self.stop):
             raise KilnError("stop strings must be non-empty")
 
@@ -77,28 +104,45 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     default_generator: torch.Generator,
+    adjusted: torch.Tensor | None = None,
 ) -> SampleResult:
-    """Pick one token per row of fp32 logits [num_seqs, vocab].
+    """Pick one token per row of fp32 logits [num_seqs, vocab], from `adjusted` where given (the
+    logits after penalties and biases).
 
-    Reported logprobs are of the model's raw distribution (before temperature and filtering), for the
-    rows that ask for them only: a log-softmax over a large vocabulary costs a millisecond a row.
+    Reported logprobs are of the model's raw distribution (before penalties, temperature and
+    filtering, as vLLM's default), for the rows that ask for them only: a log-softmax over a large
+    vocabulary costs a millisecond a row.
     """
-    tokens = logits.argmax(-1).tolist()
+    adjusted = logits if adjusted is None else adjusted
+    tokens = adjusted.argmax(-1).tolist()
     for row, p in enumerate(params):
         if p.temperature == 0:
             continue
-        probs = (_filter(logits[row] / p.temperature, p.top_k, p.top_p, p.min_p)).softmax(-1)
+        probs = (_filter(adjusted[row] / p.temperature, p.top_k, p.top_p, p.min_p)).softmax(-1)
         gen = generators[row] or default_generator
         tokens[row] = int(torch.multinomial(probs, 1, generator=gen))
     chosen: list[float | None] = [None] * len(params)
     top: list[dict[int, float] | None] = [None] * len(params)
     rows = [row for row, p in enumerate(params) if p.logprobs is not None]
     if rows:
-        logprobs = logits[rows].log_softmax(-1)
-        picked = torch.tensor([tokens[r] for r in rows], device=logits.device).unsqueeze(1)
-        for i, (row, value) in enumerate(zip(rows, logprobs.gather(1, picked).squeeze(1).tolist())):
-            chosen[row] = value
-            if params[row].logprobs:
-                vals, ids = logprobs[i].topk(min(params[row].logprobs, logprobs.shape[-1]))
-                top[row] = dict(zip(ids.tolist(), vals.tolist()))
+        found, alts = token_logprobs(logits[rows], [tokens[r] for r in rows], [params[r].logprobs for r in rows])
+        for row, value, alt in zip(rows, found, alts):
+            chosen[row], top[row] = value, alt
     return SampleResult(tokens, chosen, top)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int], ranks: bool = False):
+    """Per row of `logits`: the logprob of `tokens[row]`, and where `tops[row]` > 0 the `tops[row]`
+    most likely tokens' (None where 0); with `ranks`, also each token's rank (1: the most likely)."""
+    logprobs = logits.float().log_softmax(-1)
+    picked = torch.tensor(tokens, device=logits.device).unsqueeze(1)
+    values = logprobs.gather(1, picked)
+    alts: list[dict[int, float] | None] = [None] * len(tokens)
+    for i, k in enumerate(tops):
+        if k:
+            vals, ids = logprobs[i].topk(min(k, logprobs.shape[-1]))
+            alts[i] = dict(zip(ids.tolist(), vals.tolist()))
+    found = values.squeeze(1).tolist()
+    if ranks:
+        return found, alts, ((logprobs > values).sum(-1) + 1).tolist()
+    return found, alts

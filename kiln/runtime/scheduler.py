@@ -35,6 +35,11 @@ class Sequence:
     status: Status = Status.WAITING
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    prompt_logprobs: list[float | None] = field(default_factory=lambda: [None])
+    """Each prompt token's logprob given those before it, filled as the prompt is prefilled (the first
+    token has none)."""
+    prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
+    prompt_ranks: list[int | None] = field(default_factory=lambda: [None])
     finish_reason: str | None = None
     detokenizer: IncrementalDetokenizer | None = None
     """The request's IncrementalDetokenizer (None without a tokenizer)."""
@@ -137,7 +142,7 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            if self.allocator.prefix_caching:
+            if self.allocator.prefix_caching and seq.params.prompt_logprobs is None:  # those need every position
                 self._reuse_prefix(seq)
             n = min(seq.num_pending, budget)
             if not self._reserve(seq, n):

@@ -18,7 +18,7 @@ from typing import Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException
 
 from kiln.errors import KilnError
@@ -39,9 +39,10 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    """Fields completions and chat share."""
+    """Fields completions and chat share. A field kiln does not implement is refused with a 400
+    naming it (`extra="forbid"`): accepted and ignored, it would give wrong answers silently."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     temperature: float = Field(1.0, ge=0, le=2)
@@ -55,20 +56,55 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)
+    logit_bias: dict[int, float] | None = Field(None, description="token id -> bias in [-100, 100]")
+    min_tokens: int = Field(0, ge=0)
+    user: str | None = Field(None, description="an end-user id for the logs; it changes no output")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, index: int,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
             seed=None if self.seed is None else self.seed + index, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            logit_bias=dict(self.logit_bias or {}), min_tokens=min(self.min_tokens, max_tokens),
         )
+
+    @model_validator(mode="after")
+    def _check_biases(self):
+        if any(not -100 <= v <= 100 for v in (self.logit_bias or {}).values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        return self
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0, description="0 only with echo: score the prompt, generate nothing")
     logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = Field(False, description="the prompt before the completion, with its logprobs if logprobs is set")
+    best_of: int | None = Field(None, ge=1, le=16, description="sample this many, return the n most likely")
+    prompt_logprobs: int | None = Field(None, ge=0, le=20, description="vLLM's: logprobs of the prompt tokens")
+    suffix: str | None = Field(None, description="not supported: only null or empty")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.suffix:
+            raise ValueError("suffix: kiln does not insert text (no fill-in-the-middle); leave it out")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        if self.stream and (self.best_of or self.n) > self.n:
+            raise ValueError("best_of > n cannot stream: the best choices are known only at the end")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs cannot stream; ask without stream")
+        if self.max_tokens == 0 and (self.stream or not self.echo):
+            raise ValueError("max_tokens 0 generates nothing: set echo (without stream) to score the prompt, "
+                             "or ask for >= 1")
+        return self
 
 
 class TextPart(BaseModel):
@@ -86,12 +122,19 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class ResponseFormat(BaseModel):
+    type: Literal["text"] = Field(description="only text: structured output is not implemented yet")
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[dict] | None = Field(None, max_length=0, description="not supported: only null or empty")
+    tool_choice: Literal["none"] | None = None
 
 
 # -- errors ------------------------------------------------------------------------------------------
@@ -108,7 +151,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     param = ".".join(loc) or None
-    return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
+    if first.get("type") == "extra_forbidden":
+        return (f"`{param}` is not supported by kiln: leave it out (kiln refuses a field rather than "
+                "ignore it)"), param
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return f"{param or 'body'}: {message}", param
 
 
 class ServerError(Exception):
@@ -145,14 +192,16 @@ class Server:
         return asked if asked is not None else room
 
     def start(self, prompts: list[tuple[list[int], str | None]], request: _Sampling, max_tokens: int | None,
-              logprobs: int | None) -> list[RequestStream]:
-        """One engine request per prompt and choice (prompt-major), all validated before any runs."""
+              logprobs: int | None, count: int | None = None, prompt_logprobs: int | None = None
+              ) -> list[RequestStream]:
+        """`count` (default n) engine requests per prompt (prompt-major), all validated before any runs."""
         streams: list[RequestStream] = []
         try:
             for ids, text in prompts:
                 limit = self.max_tokens(len(ids), max_tokens)
-                for i in range(request.n):
-                    streams.append(self.engine.add(ids, request.sampling_params(limit, logprobs, i), text))
+                for i in range(count or request.n):
+                    params = request.sampling_params(limit, logprobs, i, prompt_logprobs)
+                    streams.append(self.engine.add(ids, params, text))
         except BaseException:
             for stream in streams:
                 stream.abort()
@@ -260,23 +309,53 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_m
     async def completions(body: CompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         prompts = _completion_prompts(body.prompt, tokenizer)
-        streams = server.start(prompts, body, body.max_tokens, body.logprobs)
+        scored = body.logprobs if body.echo and body.logprobs is not None else None
+        prompt_logprobs = max((k for k in (scored, body.prompt_logprobs) if k is not None), default=None)
+        count = body.best_of or body.n  # sequences per prompt; the n most likely are returned
+        ranked = count > body.n
+        logprobs = body.logprobs if body.logprobs is not None or not ranked else 0  # ranking needs them
+        streams = server.start(prompts, body, 1 if body.max_tokens == 0 else body.max_tokens, logprobs, count,
+                               prompt_logprobs)
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        prompt_tokens = sum(len(ids) for ids, _ in prompts) * body.n
+        prompt_tokens = sum(len(ids) for ids, _ in prompts) * count
         head = {"id": request_id, "object": "text_completion", "created": created, "model": model_name}
+        generated = (lambda out: 0) if body.max_tokens == 0 else (lambda out: len(out.token_ids))
+        echoed: set[int] = set()
+
+        def prompt_text(index: int, out: RequestOutput) -> str:
+            given = prompts[index // body.n][1]
+            return given if given is not None else tokenizer.decode(out.prompt_token_ids)
 
         def choice(index: int, out: RequestOutput, text: str, first: int) -> dict:
-            lp = None
+            """The choice's text from character `text` on and its logprobs from token `first` on; with
+            echo, the first chunk of each choice starts with its prompt."""
+            echo = body.echo and index not in echoed
+            echoed.add(index)
+            ids, lps, tops, offset = out.token_ids[first:generated(out)], None, None, 0
             if body.logprobs is not None:
-                ids = out.token_ids[first:]
-                tops = (out.top_logprobs or [None] * len(out.token_ids))[first:]
+                lps = out.logprobs[first:generated(out)]
+                tops = (out.top_logprobs or [None] * len(out.token_ids))[first:generated(out)]
+            if echo:
+                text = prompt_text(index, out) + text
+                ids = out.prompt_token_ids + ids
+                if body.logprobs is not None:
+                    lps = out.prompt_logprobs + lps
+                    tops = (out.prompt_top_logprobs or [None] * len(out.prompt_token_ids)) + tops
+            else:
+                offset = (len(prompt_text(index, out)) if body.echo else 0) + sum(
+                    len(server.token_text(t)) for t in out.token_ids[:first])
+            reason = "length" if body.max_tokens == 0 else _reason(out)
+            result = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+            if body.logprobs is not None:
                 texts = [server.token_text(t) for t in ids]
-                offset = sum(len(server.token_text(t)) for t in out.token_ids[:first])
-                starts = list(itertools.accumulate((len(t) for t in texts), initial=offset))[:-1]
-                lp = {"tokens": texts, "token_logprobs": out.logprobs[first:],
-                      "top_logprobs": [{server.token_text(k): v for k, v in (t or {}).items()} for t in tops],
-                      "text_offset": starts}
-            return {"index": index, "text": text, "logprobs": lp, "finish_reason": _reason(out)}
+                result["logprobs"] = {
+                    "tokens": texts, "token_logprobs": lps,
+                    "top_logprobs": [None if t is None else {server.token_text(k): v for k, v in t.items()}
+                                     for t in tops],
+                    "text_offset": list(itertools.accumulate((len(t) for t in texts), initial=offset))[:-1]}
+            if body.prompt_logprobs is not None:
+                result["prompt_logprobs"] = _vllm_prompt_logprobs(out, body.prompt_logprobs, server.token_text)
+            return result
 
         if body.stream:
             return _event_stream(streams, head, lambda i, out, chars, toks: choice(i, out, out.text[chars:], toks),
@@ -284,8 +363,12 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_m
         finals = await _finals(streams, request)
         if finals is None:
             return Response(status_code=499)  # nobody reads it: nginx's status for a client that left
-        return JSONResponse({**head, "choices": [choice(i, out, out.text, 0) for i, out in enumerate(finals)],
-                             "usage": _usage(prompt_tokens, sum(len(o.token_ids) for o in finals))})
+        usage = _usage(prompt_tokens, sum(generated(o) for o in finals))
+        if ranked:  # per prompt, the n choices of highest cumulative logprob
+            finals = [o for i in range(0, len(finals), count)
+                      for o in sorted(finals[i:i + count], key=lambda o: -sum(o.logprobs))[:body.n]]
+        choices = [choice(i, out, out.text if generated(out) else "", 0) for i, out in enumerate(finals)]
+        return JSONResponse({**head, "choices": choices, "usage": usage})
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -355,6 +438,20 @@ def _event_stream(streams: list[RequestStream], head: dict, choice: Callable[[in
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _vllm_prompt_logprobs(out: RequestOutput, top: int, token_text: Callable[[int], str]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt position None (the first) or {token id: {logprob, rank,
+    decoded_token}} for the prompt's token and the `top` most likely."""
+    result: list[dict | None] = [None]
+    tops = out.prompt_top_logprobs or [None] * len(out.prompt_token_ids)
+    for token, lp, rank, alts in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], out.prompt_ranks[1:],
+                                     tops[1:]):
+        entry = {str(token): {"logprob": lp, "rank": rank, "decoded_token": token_text(token)}}
+        for r, (k, v) in enumerate((alts or {}).items(), start=1):
+            entry.setdefault(str(k), {"logprob": v, "rank": r, "decoded_token": token_text(k)})
+        result.append(entry)
+    return result
 
 
 def _reason(out: RequestOutput) -> str | None:

@@ -74,3 +74,36 @@ def test_chat_template_from_tokenizer_config(demo_dirs, tmp_path):
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == f"<user>hi{eos}<assistant>"
     assert Tokenizer(demo_dirs["llama"]).apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=False) == "User: hi\n"
+
+
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_prompt_logprobs_equal_transformers_log_softmax(demo_dirs, hf_models, chunk):
+    """Every prompt token after the first, prefilled whole or in chunks of 5 tokens."""
+    import torch
+
+    kwargs = {"max_num_batched_tokens": chunk} if chunk else {}
+    llm = LLM(demo_dirs["llama"], max_num_seqs=4, **kwargs)
+    ids = llm.tokenizer.encode("Loading the kiln is careful work. Large jars go to the back")
+    out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3))[0]
+    with torch.no_grad():
+        want = hf_models["llama"](torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    expected = want[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    torch.testing.assert_close(torch.tensor(out.prompt_logprobs[1:]), expected, rtol=0, atol=1e-4)
+    for pos, top in enumerate(out.prompt_top_logprobs[1:]):
+        values, tokens = want[pos].topk(3)
+        assert list(top) == tokens.tolist()
+        torch.testing.assert_close(torch.tensor(list(top.values())), values, rtol=0, atol=1e-4)
+    ranks = [int((want[pos] > want[pos, t]).sum()) + 1 for pos, t in enumerate(ids[1:])]
+    assert out.prompt_ranks[1:] == ranks
+
+
+def test_min_tokens_holds_off_eos_and_stop_tokens(llm):
+    eos = next(iter(llm.engine.eos_token_ids))
+    forced = SamplingParams(max_tokens=10, temperature=0, logit_bias={eos: 100.0})
+    assert llm.generate(["The kiln"], forced)[0].token_ids == [eos]
+    held = SamplingParams(max_tokens=10, temperature=0, logit_bias={eos: 100.0, 7: 90.0}, min_tokens=3,
+                          stop_token_ids=[7])
+    out = llm.generate(["The kiln"], held)[0]
+    assert eos not in out.token_ids[:3] and 7 not in out.token_ids[:3]
+    assert len(out.token_ids) == 4 and out.token_ids[3] == eos and out.finish_reason == "stop"

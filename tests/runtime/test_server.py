@@ -2,6 +2,7 @@
 (uvicorn in a thread) over the demo llama's compiled artifact."""
 
 import asyncio
+import json
 import re
 import socket
 import threading
@@ -192,6 +193,131 @@ def test_bad_completion_input_is_a_4xx_in_openai_shape(served, body, status, tex
     assert response.status_code == status, response.text
     err = response.json()["error"]
     assert text in err["message"] and {"message", "type", "param", "code"} <= set(err)
+
+
+def test_echo_scores_the_prompt_as_transformers_does(served, hf_models, eager):
+    """lm-evaluation-harness's loglikelihood request: token ids, echo, logprobs 1, max_tokens 1 (and
+    OpenAI's max_tokens 0, which generates nothing)."""
+    import torch
+
+    ids = eager.tokenizer.encode(PROMPTS[2])
+    with torch.no_grad():
+        want = hf_models["llama"](torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    expected = want[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+    for max_tokens in (1, 0):
+        body = {"model": MODEL, "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": max_tokens,
+                "temperature": 0}
+        answer = httpx.post(served[0] + "/v1/completions", json=body, timeout=60).json()
+        [choice] = answer["choices"]
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) + max_tokens and lp["token_logprobs"][0] is None
+        assert lp["top_logprobs"][0] is None and all(len(t) == 1 for t in lp["top_logprobs"][1:])
+        assert max(abs(a - b) for a, b in zip(lp["token_logprobs"][1:len(ids)], expected)) < 1e-4
+        greedy = [int(want[i].argmax()) == t for i, t in enumerate(ids[1:])]
+        tops = [list(t)[0] == tok for t, tok in zip(lp["top_logprobs"][1:len(ids)], lp["tokens"][1:])]
+        assert tops == greedy  # how lm-eval decides is_greedy
+        assert choice["text"].startswith(eager.tokenizer.decode(ids))
+        assert lp["text_offset"][0] == 0 and answer["usage"]["completion_tokens"] == max_tokens
+    text = httpx.post(served[0] + "/v1/completions", json={
+        "model": MODEL, "prompt": PROMPTS[0], "echo": True, "max_tokens": 3, "temperature": 0,
+        "ignore_eos": True}).json()["choices"][0]["text"]
+    assert text.startswith(PROMPTS[0]) and len(text) > len(PROMPTS[0])
+    streamed = [json.loads(line[6:]) for line in httpx.post(served[0] + "/v1/completions", json={
+        "model": MODEL, "prompt": PROMPTS[0], "echo": True, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+        "stream": True}).text.splitlines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in streamed) == text
+
+
+def test_vllm_prompt_logprobs(served, hf_models, eager):
+    import torch
+
+    ids = eager.tokenizer.encode(PROMPTS[0])
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 2}
+    [choice] = httpx.post(served[0] + "/v1/completions", json=body, timeout=60).json()["choices"]
+    with torch.no_grad():
+        want = hf_models["llama"](torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    prompt_logprobs = choice["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == len(ids)
+    for pos, (entry, token) in enumerate(zip(prompt_logprobs[1:], ids[1:])):
+        assert abs(entry[str(token)]["logprob"] - want[pos, token].item()) < 1e-4
+        assert entry[str(token)]["rank"] == int((want[pos] > want[pos, token]).sum()) + 1
+        assert {str(t) for t in want[pos].topk(2).indices.tolist()} <= set(entry)
+
+
+def _greedy_with_penalties(hf, prompt: list[int], n: int, bias: dict[int, float], presence: float = 0.0,
+                           frequency: float = 0.0, repetition: float = 1.0) -> list[int]:
+    """The reference: transformers' logits, the formulas applied here, argmax."""
+    import torch
+
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(torch.tensor([ids])).logits[0, -1].float()
+            for t, v in bias.items():
+                logits[t] += v
+            for t in set(ids):
+                logits[t] = logits[t] / repetition if logits[t] > 0 else logits[t] * repetition
+            for t in set(out):
+                logits[t] -= frequency * out.count(t) + presence
+            token = int(logits.argmax())
+            ids.append(token)
+            out.append(token)
+    return out
+
+
+@pytest.mark.parametrize("fields", [
+    {"logit_bias": {"5": 100}}, {"logit_bias": {"first": -100, "17": 6.5}}, {"presence_penalty": 2.0},
+    {"frequency_penalty": 1.5}, {"repetition_penalty": 1.8}, {"presence_penalty": -2.0, "frequency_penalty": 0.5},
+])
+def test_penalties_and_biases_change_greedy_choices_by_their_formula(served, hf_models, eager, fields):
+    """The demo model's logits are peaked: penalties within OpenAI's range change its greedy choice
+    only once it starts repeating itself, hence 64 tokens."""
+    ids, n = eager.tokenizer.encode(PROMPTS[2]), 64
+    plain = _greedy_with_penalties(hf_models["llama"], ids, n, {})
+    if "first" in fields.get("logit_bias", {}):  # a bias against the unbiased greedy's first token
+        bias = dict(fields["logit_bias"])
+        fields = {"logit_bias": {str(plain[0]): bias.pop("first"), **bias}}
+    body = {"model": MODEL, "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+            **fields}
+    choice = httpx.post(served[0] + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    want = _greedy_with_penalties(hf_models["llama"], ids, n, {int(k): v for k, v in fields.get("logit_bias", {}).items()},
+                                  fields.get("presence_penalty", 0.0), fields.get("frequency_penalty", 0.0),
+                                  fields.get("repetition_penalty", 1.0))
+    assert want != plain  # the field matters on this prompt
+    assert [eager.tokenizer.decode([t]) for t in want] == choice["logprobs"]["tokens"]
+    if fields == {"logit_bias": {"5": 100}}:
+        assert want == [5] * n
+
+
+def test_best_of_returns_the_most_likely_of_its_samples(served):
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 1.0, "seed": 11, "ignore_eos": True}
+    samples = httpx.post(served[0] + "/v1/completions", json={**body, "n": 4, "logprobs": 0}).json()["choices"]
+    best = httpx.post(served[0] + "/v1/completions", json={**body, "n": 2, "best_of": 4}).json()
+    ranked = sorted(samples, key=lambda c: -sum(c["logprobs"]["token_logprobs"]))
+    assert [c["text"] for c in best["choices"]] == [c["text"] for c in ranked[:2]]
+    assert [c["index"] for c in best["choices"]] == [0, 1] and best["choices"][0]["logprobs"] is None
+    assert best["usage"]["completion_tokens"] == 4 * 8
+
+
+@pytest.mark.parametrize("path, field, value", [
+    ("/v1/completions", "guided_json", {"type": "object"}),
+    ("/v1/completions", "frequency_penalties", 1.0),
+    ("/v1/completions", "suffix", " the end"),
+    ("/v1/completions", "structured_outputs", {"regex": "a+"}),
+    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("/v1/chat/completions", "service_tier", "flex"),
+    ("/v1/chat/completions", "prediction", {"type": "content", "content": "x"}),
+])
+def test_fields_kiln_would_ignore_are_refused_by_name(served, path, field, value):
+    body = {"model": MODEL, "max_tokens": 2, field: value}
+    body.update({"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})
+    response = httpx.post(served[0] + path, json=body)
+    assert response.status_code == 400, response.text
+    assert field in response.json()["error"]["message"]
+    neutral = {"suffix": "", "response_format": {"type": "text"}, "tools": []}
+    if field in neutral:  # the value that asks for nothing is accepted
+        assert httpx.post(served[0] + path, json={**body, field: neutral[field]}).status_code == 200
 
 
 def test_malformed_requests_are_4xx(served):
