@@ -1,8 +1,10 @@
 """The `kiln` command. Subcommands import their heavy dependencies only when run, so --help is fast."""
 
 import argparse
+import json
 import logging
 import sys
+from pathlib import Path
 
 from kiln.errors import KilnError
 
@@ -46,7 +48,6 @@ def _custom_passes(args: argparse.Namespace) -> list:
 
 def _shaped_model(args: argparse.Namespace):
     """The model `args` name, with uninitialized weights: compiling and keys need shapes and dtypes only."""
-    from pathlib import Path
 
     from kiln.config import ParallelConfig, parse_device, parse_dtype
     from kiln.models.config import ModelConfig
@@ -172,6 +173,14 @@ def _as_ranks(args: argparse.Namespace) -> None:
 def _cmd_generate(args: argparse.Namespace) -> None:
     from kiln import SamplingParams
 
+    structured = None
+    if args.json_schema is not None:
+        from kiln.runtime.structured_output import StructuredOutput
+
+        try:
+            structured = StructuredOutput.json_schema(json.loads(Path(args.json_schema).read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise KilnError(f"--json-schema {args.json_schema}: {e}") from None
     _as_ranks(args)
     llm = _llm(args, args.compile, seed=args.seed)
     params = SamplingParams(
@@ -181,12 +190,16 @@ def _cmd_generate(args: argparse.Namespace) -> None:
         top_p=args.top_p,
         seed=args.seed,
         stop=args.stop or [],
+        structured_output=structured,
     )
     outputs = llm.generate(args.prompt, params)
     if llm.parallel.rank != 0:  # every rank has the same outputs: one prints them
         return
     for out in outputs:
-        print(out.prompt + out.text if len(args.prompt) == 1 else f"[{out.prompt!r}] {out.text}")
+        if structured is not None:
+            print(out.text)  # one document per line, for a pipe
+        else:
+            print(out.prompt + out.text if len(args.prompt) == 1 else f"[{out.prompt!r}] {out.text}")
 
 
 def _cmd_demo_model(args: argparse.Namespace) -> None:
@@ -386,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     gen.add_argument("--stop", action="append", help="stop string; repeat for several")
+    gen.add_argument("--json-schema", metavar="FILE", help="constrain each output to this JSON schema (a file); "
+                     "only the JSON is printed, one document per prompt")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and "
                      "activations dtype (default float32)")
     gen.add_argument("--compile", action="store_true", help="run the compiled artifact (compiling it first if "

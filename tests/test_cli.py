@@ -27,6 +27,13 @@ def test_demo_model_then_generate(tmp_path):
     assert proc.stdout.startswith("The kiln was") and len(proc.stdout.strip()) > len("The kiln was")
     # greedy is deterministic across processes
     assert kiln("generate", out, "--prompt", "The kiln was", "--max-tokens", "8").stdout == proc.stdout
+    schema = {"type": "object", "properties": {"kind": {"enum": ["kiln", "oven"]}, "w": {"type": "integer",
+              "minimum": 0, "maximum": 99}}, "required": ["kind", "w"], "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    proc = kiln("generate", out, "--prompt", "The kiln was", "--prompt", "Why", "--max-tokens", "40",
+                "--temperature", "1", "--json-schema", tmp_path / "schema.json")
+    docs = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(docs) == 2 and all(d["kind"] in ("kiln", "oven") and 0 <= d["w"] <= 99 for d in docs)
 
 
 @pytest.mark.parametrize(

@@ -111,6 +111,9 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise KilnError(f"{path} is not valid JSON ({e})") from None
         try:
-            return cls.from_hf(hf)
+            config = cls.from_hf(hf)
         except KeyError as e:
             raise KilnError(f"{path} lacks required field {e.args[0]!r}") from None
+        from kiln.models.loader import untie_stored_lm_head  # the loader imports the model, which imports this
+
+        return untie_stored_lm_head(config, Path(model_dir))

@@ -3,6 +3,7 @@
 Every tensor is checked: a missing, unexpected or wrongly shaped tensor is one `KilnError` naming it.
 """
 
+import dataclasses
 import json
 import logging
 import time
@@ -12,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from kiln.errors import KilnError
+from kiln.models.config import ModelConfig
 from kiln.models.llama import CausalLM
 from kiln.models.tensor_parallel import Shard
 
@@ -34,6 +36,29 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     if not files:
         raise KilnError(f"{model_dir} has no *.safetensors weights (kiln does not read .bin/.pt checkpoints)")
     return files
+
+
+def untie_stored_lm_head(config: ModelConfig, model_dir: Path) -> ModelConfig:
+    """`config`, untied when it says `tie_word_embeddings` but the checkpoint stores an `lm_head.weight`
+    that differs from the embedding: that weight is the output projection, as transformers loads such
+    a checkpoint (a copy equal to the embedding stays tied, one matrix in memory)."""
+    if not config.tie_word_embeddings or not any(model_dir.glob("*.safetensors")):
+        return config
+    found: dict[str, Path] = {}
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            found.update({name: path for name in ("lm_head.weight", "model.embed_tokens.weight") if name in f.keys()})
+    if len(found) < 2:
+        return config
+    with safe_open(str(found["lm_head.weight"]), framework="pt") as f:
+        head = f.get_tensor("lm_head.weight")
+    with safe_open(str(found["model.embed_tokens.weight"]), framework="pt") as f:
+        same = torch.equal(head, f.get_tensor("model.embed_tokens.weight"))
+    if same:
+        return config
+    logger.warning("%s: config.json says tie_word_embeddings, but the checkpoint stores an lm_head.weight of its "
+                   "own: kiln uses it, as transformers does (set tie_word_embeddings=false to silence this)", model_dir)
+    return dataclasses.replace(config, tie_word_embeddings=False)
 
 
 def _sources(model: CausalLM, pname: str, param: torch.Tensor) -> list[tuple[str, int, int]]:

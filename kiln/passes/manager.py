@@ -28,12 +28,16 @@ from kiln.passes.lowering import Lowering
 
 logger = logging.getLogger(__name__)
 
+UNKNOWN = "?"
+"""The match count of a pass that did not say (vLLM's passes return None)."""
+
 
 @dataclass
 class PassReport:
     """What one run of the pipeline did: matches and seconds per pass, in pipeline order."""
 
-    matches: dict[str, int] = field(default_factory=dict)
+    matches: dict[str, int | str] = field(default_factory=dict)
+    """Sites each pass changed; `UNKNOWN` for a user pass whose `__call__` returned None."""
     seconds: dict[str, float] = field(default_factory=dict)
     kernel_choices: list[KernelChoice] = field(default_factory=list)
     """The lowering pass's measured kernel decisions (CUDA only)."""
@@ -76,7 +80,8 @@ class PassManager:
             (config.rope_kvcache, RopeKVCacheFusion()),
             (config.attn_quant, AttentionQuantFusion()),
         ]
-        self.passes: list[GraphPass] = [p for on, p in builtin if on] + list(custom)
+        self.custom: list[GraphPass] = list(custom)
+        self.passes: list[GraphPass] = [p for on, p in builtin if on] + self.custom
         self.gemms: GemmChooser | None = None
         if config.lowering:
             self.gemms = GemmChooser() if config.gemm_choice else None
@@ -114,12 +119,28 @@ class PassManager:
             start = time.perf_counter()
             if isinstance(p, Lowering):
                 p.size_range = size_range
-            report.matches[p.name] = int(p(graph.graph))
+            report.matches[p.name] = self._run_user(p, graph.graph) if p in self.custom else int(p(graph.graph))
             report.seconds[p.name] = time.perf_counter() - start
             if isinstance(p, Lowering):
                 report.kernel_choices = list(p.choices)
                 report.gemm_choices, report.weight_formats = list(p.gemm_choices), dict(p.weight_formats)
-            logger.debug("pass %s: %d matches in %.3fs", p.name, report.matches[p.name], report.seconds[p.name])
+            logger.debug("pass %s: %s matches in %.3fs", p.name, report.matches[p.name], report.seconds[p.name])
         graph.graph.lint()
         graph.recompile()
         return report
+
+    @staticmethod
+    def _run_user(p: GraphPass, graph: fx.Graph) -> int | str:
+        """A user pass, its failure reported as one line that names it (the trace is logged at DEBUG)."""
+        try:
+            matches = p(graph)
+        except Exception as e:
+            logger.debug("user pass %s failed", p.name, exc_info=True)
+            raise KilnError(f"user pass {p.name!r} failed: {type(e).__name__}: {e} "
+                            "(run with -vv for its traceback)") from None
+        if matches is None:
+            return UNKNOWN
+        if not isinstance(matches, int):
+            raise KilnError(f"user pass {p.name!r} returned {matches!r}: `__call__` returns how many sites it "
+                            "changed (an int), or None when it does not count")
+        return matches

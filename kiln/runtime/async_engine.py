@@ -26,8 +26,10 @@ logger = logging.getLogger(__name__)
 class _Stream:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
+    prompt_tokens: int
     arrival: float = field(default_factory=time.perf_counter)
     last_token: float | None = None
+    generated: int = 0
 
 
 class EngineUnavailable(Exception):
@@ -60,8 +62,10 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, metrics: Metrics | None = None, feed: StepFeed | None = None):
-        self.engine, self.metrics = engine, metrics or Metrics()
+    def __init__(self, engine: Engine, metrics: Metrics | None = None, feed: StepFeed | None = None,
+                 model_name: str = "kiln"):
+        self.engine = engine
+        self.metrics = metrics or Metrics(model_name, engine.config.block_size, engine.scheduler.allocator.num_blocks)
         self.feed = feed
         """Under tensor parallelism: where the requests each step starts with go to the other ranks."""
         self._applied: list = []  # messages applied since the last step, for the feed
@@ -98,7 +102,7 @@ class AsyncEngine:
         if not self.healthy:
             raise EngineUnavailable(f"the engine is not running ({self.error or 'shut down'})")
         request_id = uuid.uuid4().hex
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), len(prompt_token_ids))
         self._streams[request_id] = stream
         self._inbox.put(("add", request_id, list(prompt_token_ids), params, prompt))
         self._wake.set()
@@ -107,7 +111,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Stop an unfinished request (its client left); counted as finish reason "abort"."""
         if self._streams.pop(request_id, None) is not None:
-            self.metrics.requests.labels("abort").inc()
+            self.metrics.finished("abort")
             self._inbox.put(("abort", request_id))
             self._wake.set()
 
@@ -158,7 +162,7 @@ class AsyncEngine:
             self._applied.append(message)
             try:
                 self.engine.add_request(ids, params, prompt, request_id=request_id)
-                self.metrics.prompt_tokens.inc(len(ids))
+                self.metrics.admitted(len(ids))
             except KilnError as e:
                 self._deliver(request_id, e)
 
@@ -166,15 +170,11 @@ class AsyncEngine:
         stream = self._streams.get(out.request_id)
         if stream is None:
             return
-        self.metrics.generation_tokens.inc()
-        if stream.last_token is None:
-            self.metrics.time_to_first_token.observe(now - stream.arrival)
-        else:
-            self.metrics.inter_token_latency.observe(now - stream.last_token)
+        self.metrics.token(now - stream.arrival, None if stream.last_token is None else now - stream.last_token)
         stream.last_token = now
+        stream.generated += 1
         if out.finished:
-            self.metrics.requests.labels(out.finish_reason).inc()
-            self.metrics.request_latency.observe(now - stream.arrival)
+            self.metrics.finished(out.finish_reason, now - stream.arrival, stream.prompt_tokens, stream.generated)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
@@ -189,6 +189,4 @@ class AsyncEngine:
 
     def _update_gauges(self) -> None:
         scheduler = self.engine.scheduler
-        self.metrics.running.set(len(scheduler.running))
-        self.metrics.waiting.set(len(scheduler.waiting))
-        self.metrics.kv_cache_usage.set(scheduler.kv_usage)
+        self.metrics.scheduler_state(len(scheduler.running), len(scheduler.waiting), scheduler.kv_usage)

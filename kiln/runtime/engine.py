@@ -4,6 +4,7 @@ applies stop conditions and hands back each request's progress. Not thread-safe:
 
 import itertools
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ from kiln.runtime.runner import ForwardFn, ModelRunner
 from kiln.runtime.penalties import adjust_logits
 from kiln.runtime.sampler import SamplingParams, sample, token_logprobs
 from kiln.runtime.scheduler import Scheduler, Sequence
+from kiln.runtime.structured_output import GrammarBackend, apply_masks, fill_masks
 from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,9 @@ class Engine:
         self.scheduler = Scheduler(config, num_blocks)
         self.default_generator = torch.Generator(device).manual_seed(seed)  # multinomial wants the logits' device
         self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else cfg.eos_token_ids)
+        self.grammars = GrammarBackend(tokenizer.path, cfg.vocab_size, sorted(self.eos_token_ids)) if tokenizer else None
+        self._masks: ThreadPoolExecutor | None = None
+        """On CUDA, computes structured-output masks while the GPU runs the step (created on first use)."""
         self._prompts: dict[str, str | None] = {}
         self._ids = itertools.count()
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
@@ -108,6 +113,10 @@ class Engine:
             raise KilnError(f"token id {bad} (in logit_bias or stop_token_ids) is outside the vocabulary [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise KilnError("stop strings need a tokenizer, and this model directory has none")
+        if params.structured_output is not None:
+            if self.grammars is None:
+                raise KilnError("structured output needs the model's tokenizer.json, and this model directory has none")
+            self.grammars.validate(params.structured_output)
 
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
@@ -120,6 +129,8 @@ class Engine:
             raise KilnError(f"request id {request_id!r} is already in use")
         gen = torch.Generator(self.runner.device).manual_seed(params.seed) if params.seed is not None else None
         seq = Sequence(request_id, list(prompt_token_ids), params, gen)
+        if params.structured_output is not None:
+            seq.matcher = self.grammars.matcher(params.structured_output)
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
         self.scheduler.add(seq)
@@ -149,21 +160,32 @@ class Engine:
         rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)) if n == s.num_pending]
         scoring = [i for i, s in enumerate(batch.seqs)
                    if s.params.prompt_logprobs is not None and len(s.prompt_logprobs) < len(s.prompt_token_ids)]
+        sampling = [batch.seqs[i] for i in rows]
+        guided = [j for j, s in enumerate(sampling) if s.matcher is not None]
+        matchers, masks = [sampling[j].matcher for j in guided], None
+        if guided and self.runner.device.type == "cuda":  # a CPU thread computes the masks while the GPU runs
+            self._masks = self._masks or ThreadPoolExecutor(1, thread_name_prefix="kiln-grammar")
+            masks = self._masks.submit(fill_masks, matchers, self.model_config.vocab_size)
         logits, every = self.runner.execute(batch, rows, scoring)
         for i, chunk in zip(scoring, every):
             self._score_prompt(batch.seqs[i], chunk)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             self.scheduler.computed(seq, n)
-        sampling = [batch.seqs[i] for i in rows]
         params = [s.params for s in sampling]
         adjusted = adjust_logits(logits, params, [s.prompt_token_ids for s in sampling],
                                  [s.output_token_ids for s in sampling], self.eos_token_ids)
+        if guided:  # on CPU the forward keeps every core busy: a thread beside it measured slower (1.32x vs 1.22x)
+            adjusted = logits.clone() if adjusted is logits else adjusted
+            bitmask = masks.result() if masks is not None else fill_masks(matchers, self.model_config.vocab_size)
+            apply_masks(adjusted, guided, bitmask)
         result = sample(logits, params, [s.generator for s in sampling], self.default_generator, adjusted)
         outputs = []
         for seq, token, logprob, top in zip(sampling, result.token_ids, result.logprobs, result.top_logprobs):
             seq.token_ids.append(token)
             seq.logprobs.append(logprob)
             seq.top_logprobs.append(top)
+            if seq.matcher is not None and not seq.matcher.accept(token):
+                raise RuntimeError(f"request {seq.request_id}: sampled token {token} breaks its grammar")
             delta = seq.detokenizer.add(token) if seq.detokenizer is not None else ""
             reason, cut = self._check_stop(seq, token, len(delta))
             if reason is not None:
@@ -200,6 +222,8 @@ class Engine:
             if cuts:
                 return "stop", min(cuts)
         if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
+            return "stop", None
+        if seq.matcher is not None and seq.matcher.done:
             return "stop", None
         if len(seq.output_token_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length", None

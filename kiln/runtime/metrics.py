@@ -1,16 +1,23 @@
 """Prometheus metrics of the server (`GET /metrics`), through `prometheus_client`: one registry per
-server, so tests and several servers in one process do not share counts."""
+server, so tests and several servers in one process do not share counts.
+
+Each figure is exported twice: under kiln's names and under vLLM's (`vllm:num_requests_waiting`,
+`vllm:kv_cache_usage_perc`, ... labelled by `model_name`), so that routers and dashboards written for
+vLLM (the Gateway API Inference Extension, llm-d, Grafana boards) read kiln unchanged. The two are
+updated together, by the methods below, never one without the other."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401  (re-exported for the server)
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
 class Metrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
+    def __init__(self, model_name: str = "kiln", block_size: int | None = None, num_blocks: int | None = None) -> None:
+        self.registry = r = CollectorRegistry()
+        m = ["model_name"]
+        self.model_name = model_name
         self.requests = Counter("kiln_requests", "Finished requests, by finish reason", ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("kiln_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("kiln_generation_tokens", "Generated tokens", registry=r)
@@ -23,6 +30,63 @@ class Metrics:
         self.running = Gauge("kiln_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("kiln_requests_waiting", "Requests queued for admission", registry=r)
         self.kv_cache_usage = Gauge("kiln_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", registry=r)
+
+        self._vllm = {
+            "running": Gauge("vllm:num_requests_running", "Requests in model execution batches", m, registry=r),
+            "waiting": Gauge("vllm:num_requests_waiting", "Requests waiting to be processed", m, registry=r),
+            "kv": Gauge("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent", m, registry=r),
+            "prompt": Counter("vllm:prompt_tokens", "Prefill tokens processed", m, registry=r),
+            "generation": Counter("vllm:generation_tokens", "Generation tokens processed", m, registry=r),
+            "success": Counter("vllm:request_success", "Finished requests", m + ["finished_reason"], registry=r),
+            "ttft": Histogram("vllm:time_to_first_token_seconds", "Time to first token", m,
+                              buckets=LATENCY_BUCKETS, registry=r),
+            "itl": Histogram("vllm:inter_token_latency_seconds", "Inter-token latency", m,
+                             buckets=LATENCY_BUCKETS, registry=r),
+            "e2e": Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", m,
+                             buckets=LATENCY_BUCKETS, registry=r),
+            "request_prompt": Histogram("vllm:request_prompt_tokens", "Prompt tokens per finished request", m,
+                                        buckets=TOKEN_BUCKETS, registry=r),
+            "request_generation": Histogram("vllm:request_generation_tokens", "Generated tokens per finished request",
+                                            m, buckets=TOKEN_BUCKETS, registry=r),
+        }
+        if block_size is not None:  # the routers' optional BlockSize, as vLLM reports it
+            Gauge("vllm:cache_config_info", "Information of the KV-cache configuration",
+                  ["block_size", "num_gpu_blocks"], registry=r).labels(str(block_size), str(num_blocks)).set(1)
+
+    def _v(self, name: str, **labels: str):
+        return self._vllm[name].labels(model_name=self.model_name, **labels)
+
+    def admitted(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self._v("prompt").inc(prompt_tokens)
+
+    def token(self, since_arrival: float, since_last: float | None) -> None:
+        """One generated token; `since_last` is None for a request's first."""
+        self.generation_tokens.inc()
+        self._v("generation").inc()
+        if since_last is None:
+            self.time_to_first_token.observe(since_arrival)
+            self._v("ttft").observe(since_arrival)
+        else:
+            self.inter_token_latency.observe(since_last)
+            self._v("itl").observe(since_last)
+
+    def finished(self, reason: str, latency: float | None = None, prompt_tokens: int = 0,
+                 generation_tokens: int = 0) -> None:
+        """A request ended: `reason` is stop, length or abort (an abort has no latency recorded)."""
+        self.requests.labels(reason).inc()
+        self._v("success", finished_reason=reason).inc()
+        if latency is not None:
+            self.request_latency.observe(latency)
+            self._v("e2e").observe(latency)
+            self._v("request_prompt").observe(prompt_tokens)
+            self._v("request_generation").observe(generation_tokens)
+
+    def scheduler_state(self, running: int, waiting: int, kv_usage: float) -> None:
+        for kiln_gauge, vllm_name, value in ((self.running, "running", running), (self.waiting, "waiting", waiting),
+                                             (self.kv_cache_usage, "kv", kv_usage)):
+            kiln_gauge.set(value)
+            self._v(vllm_name).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

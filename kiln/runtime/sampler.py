@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.errors import KilnError
+from kiln.runtime.structured_output import StructuredOutput
 
 
 @dataclass
@@ -42,6 +43,9 @@ class SamplingParams:
     min_tokens: int = 0
     """Until this many tokens are generated, EOS and `stop_token_ids` cannot be sampled and stop
     strings do not stop."""
+    structured_output: StructuredOutput | None = None
+    """Constrain the output to a JSON schema, a regex, a choice or a grammar; the request stops when
+    it is complete."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,6 +76,9 @@ class SamplingParams:
             raise KilnError("logit_bias values must be in [-100, 100]")
         if any(not s for s in self.stop):
             raise KilnError("stop strings must be non-empty")
+        if self.structured_output is not None and self.min_tokens:
+            raise KilnError("min_tokens cannot be combined with structured output: the grammar decides where the "
+                            "output ends")
 
 
 @dataclass

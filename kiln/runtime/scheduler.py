@@ -12,6 +12,7 @@ import torch
 from kiln.config import EngineConfig
 from kiln.runtime.kv_cache import BlockAllocator, block_hashes
 from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.structured_output import GrammarMatcher
 from kiln.runtime.tokenizer import IncrementalDetokenizer
 
 
@@ -45,6 +46,8 @@ class Sequence:
     """The request's IncrementalDetokenizer (None without a tokenizer)."""
     block_hashes: list[int] = field(default_factory=list)
     """Content hashes of the full blocks among `block_ids` (prefix caching)."""
+    matcher: GrammarMatcher | None = None
+    """Where the output stands in its structured-output grammar, if it has one."""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

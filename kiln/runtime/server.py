@@ -27,6 +27,7 @@ from kiln.runtime.engine import RequestOutput
 from kiln.runtime.lockstep import StepFeed
 from kiln.runtime.metrics import CONTENT_TYPE
 from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.structured_output import StructuredOutput
 from kiln.runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,46 @@ logger = logging.getLogger(__name__)
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    json_schema: dict = Field(alias="schema", description="the JSON schema the output must match")
+    strict: bool | None = Field(None, description="kiln's output always matches the schema")
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format: json_schema goes with type json_schema, and only with it")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of its constraints."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+def _constraint(kind: str, value) -> StructuredOutput:
+    if kind == "json":
+        return StructuredOutput.json_schema(value)
+    return StructuredOutput(kind, tuple(value) if kind == "choice" else value)
 
 
 class _Sampling(BaseModel):
@@ -62,6 +103,36 @@ class _Sampling(BaseModel):
     logit_bias: dict[int, float] | None = Field(None, description="token id -> bias in [-100, 100]")
     min_tokens: int = Field(0, ge=0)
     user: str | None = Field(None, description="an end-user id for the logs; it changes no output")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = Field(None, description="vLLM's: a JSON schema the output matches")
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = Field(None, description="a Lark or GBNF grammar")
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The one output constraint the request asks for, whichever field it came in."""
+        found: list[tuple[str, StructuredOutput]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", StructuredOutput.json_object()))
+        if rf is not None and rf.type == "json_schema":
+            found.append(("response_format", StructuredOutput.json_schema(rf.json_schema.json_schema)))
+        so = self.structured_outputs
+        if so is not None:
+            for name, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                ("grammar", so.grammar)):
+                if value is not None:
+                    found.append((f"structured_outputs.{name}", _constraint(name, value)))
+            if so.json_object:
+                found.append(("structured_outputs.json_object", StructuredOutput.json_object()))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                found.append((f"guided_{name}", _constraint(name, value)))
+        if len(found) > 1:
+            raise ServerError(400, f"{found[0][0]} and {found[1][0]} both constrain the output: give one")
+        return found[0][1] if found else None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, index: int,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -73,6 +144,7 @@ class _Sampling(BaseModel):
             prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             logit_bias=dict(self.logit_bias or {}), min_tokens=min(self.min_tokens, max_tokens),
+            structured_output=self.structured_output(),
         )
 
     @model_validator(mode="after")
@@ -122,17 +194,12 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ResponseFormat(BaseModel):
-    type: Literal["text"] = Field(description="only text: structured output is not implemented yet")
-
-
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     tools: list[dict] | None = Field(None, max_length=0, description="not supported: only null or empty")
     tool_choice: Literal["none"] | None = None
 
@@ -518,9 +585,9 @@ def serve(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None
     import uvicorn
 
     warm_up(llm)
-    engine = AsyncEngine(llm.engine, feed=feed)
-    engine.start()
     name = model_name or llm.model_dir.name
+    engine = AsyncEngine(llm.engine, feed=feed, model_name=name)
+    engine.start()
     app = create_app(engine, llm.tokenizer, name, llm.engine.max_model_len,
                      on_ready=lambda: logger.info("ready: http://%s:%d serves %s", host, port, name))
     try:

@@ -35,6 +35,7 @@ class Tokenizer:
                 "save one with transformers' AutoTokenizer.save_pretrained, or pass token ids"
             )
         self._tok = HFTokenizer.from_file(str(path))
+        self.path = path
         f = model_dir / "tokenizer_config.json"
         self._config = json.loads(f.read_text()) if f.is_file() else {}
         self.eos_token_ids = self._eos_ids(model_dir)

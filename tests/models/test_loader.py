@@ -78,3 +78,38 @@ def test_no_weights(demo_dirs, tmp_path):
     (tmp_path / "config.json").write_text((demo_dirs["llama"] / "config.json").read_text())
     with pytest.raises(KilnError, match="no \\*.safetensors"):
         _load(tmp_path)
+
+
+def test_tied_config_with_a_stored_lm_head_uses_it_as_transformers_does(demo_dirs, tmp_path, caplog):
+    """Qwen2-style tied config, but the checkpoint carries its own lm_head.weight: transformers unties
+    and uses it, so kiln must too (dropping it changes every logit). An equal copy stays tied."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.oracle import hf_greedy
+
+    generator = torch.Generator().manual_seed(0)
+
+    def own_head(t):
+        t["lm_head.weight"] = torch.randn(t["model.embed_tokens.weight"].shape, generator=generator) * 0.05
+
+    untied = _copy_with(demo_dirs["qwen2"], tmp_path / "own_head", own_head)
+    with caplog.at_level("WARNING", logger="kiln"):
+        model = _load(untied)
+    assert not model.config.tie_word_embeddings and "stores an lm_head.weight of its own" in caplog.text
+    stored = load_file(untied / "model.safetensors")["lm_head.weight"]
+    assert torch.equal(model.lm_head_weight(), stored)
+    hf = AutoModelForCausalLM.from_pretrained(untied, dtype=torch.float32).eval()
+    assert torch.equal(hf.lm_head.weight, stored)  # the oracle agrees on which weight counts
+    ids = [3, 17, 42, 5, 9]
+    want, _ = hf_greedy(hf, ids, 6)
+    from kiln import LLM, SamplingParams
+
+    [out] = LLM(untied, max_model_len=64).generate([ids], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert out.token_ids == want
+
+    caplog.clear()
+    copy = _copy_with(demo_dirs["qwen2"], tmp_path / "copied_head",
+                      lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"].clone()))
+    with caplog.at_level("WARNING", logger="kiln"):
+        assert _load(copy).config.tie_word_embeddings
+    assert "lm_head" not in caplog.text

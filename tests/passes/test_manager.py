@@ -159,3 +159,30 @@ def test_custom_graph_pass_runs_in_order():
     report = PassManager(custom=[Probe()]).run(gm, (1, 16))
     assert seen == [1] and report.matches["Probe"] == 7 and report.matches["act_quant"] == 1
     assert list(report.matches).index("Probe") < list(report.matches).index("lowering")  # user passes see kiln ops
+
+
+def test_user_pass_returning_none_or_failing():
+    """vLLM's passes return None: "matches unknown". A failing user pass is one line naming it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from kiln.passes.manager import UNKNOWN
+
+    class Silent(GraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            pass
+
+    class Broken(GraphPass):
+        def __call__(self, graph: fx.Graph) -> int:
+            return {}["missing"]
+
+    class Wordy(GraphPass):
+        def __call__(self, graph: fx.Graph):
+            return "done"
+
+    gm = make_fx(lambda x: ops.silu_and_mul(x))(torch.randn(3, 8))
+    assert PassManager(custom=[Silent()]).run(gm, (1, 16)).matches["Silent"] == UNKNOWN
+    with pytest.raises(KilnError, match=r"^user pass 'Broken' failed: KeyError: 'missing' \(run with -vv") as e:
+        PassManager(custom=[Broken()]).run(gm, (1, 16))
+    assert e.value.__cause__ is None and e.value.__suppress_context__
+    with pytest.raises(KilnError, match="user pass 'Wordy' returned 'done'"):
+        PassManager(custom=[Wordy()]).run(gm, (1, 16))

@@ -27,7 +27,7 @@ MAX_MODEL_LEN = 256
 def served(demo_dirs, kiln_cache):
     """(base URL, AsyncEngine) of a live server; the engine runs the compiled artifact."""
     llm = LLM(demo_dirs["llama"], compile=True, cache_dir=kiln_cache, max_model_len=MAX_MODEL_LEN, max_num_seqs=64)
-    engine = AsyncEngine(llm.engine)
+    engine = AsyncEngine(llm.engine, model_name=MODEL)
     engine.start()
     app = create_app(engine, llm.tokenizer, MODEL, MAX_MODEL_LEN)
     with socket.socket() as s:
@@ -111,6 +111,31 @@ def test_stop_strings_cut_the_text_streamed_or_not(client, eager):
     streamed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=[stop],
                                          stream=True)
     assert "".join(c.choices[0].text for c in streamed) == got.choices[0].text
+
+
+def test_metrics_under_vllm_names_too(served, client):
+    """Routers written for vLLM (the Gateway API Inference Extension, llm-d) read vLLM's names."""
+    base = served[0]
+    label = f'model_name="{MODEL}"'
+    names = {"kiln_requests_total{finish_reason=\"length\"}":
+             f'vllm:request_success_total{{finished_reason="length",{label}}}',
+             "kiln_generation_tokens_total": f"vllm:generation_tokens_total{{{label}}}",
+             "kiln_prompt_tokens_total": f"vllm:prompt_tokens_total{{{label}}}",
+             "kiln_time_to_first_token_seconds_count": f"vllm:time_to_first_token_seconds_count{{{label}}}"}
+    before = {name: _metric(base, name) for pair in names.items() for name in pair}
+    prompt = [5, 6, 7, 8, 9]
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, n=2,
+                              extra_body={"ignore_eos": True})
+    grew = {name: _metric(base, name) - before[name] for name in before}
+    for kiln_name, vllm_name in names.items():
+        assert grew[kiln_name] == grew[vllm_name], (kiln_name, grew)
+    assert grew[f"vllm:generation_tokens_total{{{label}}}"] == 12
+    assert grew[f"vllm:prompt_tokens_total{{{label}}}"] == 10
+    assert grew[f'vllm:request_success_total{{finished_reason="length",{label}}}'] == 2
+    text = httpx.get(base + "/metrics").text
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert re.search(rf"^{re.escape(gauge)}{{{label}}} \S+$", text, re.M), gauge
+    assert re.search(r'^vllm:cache_config_info{block_size="\d+",num_gpu_blocks="\d+"} 1.0$', text, re.M)
 
 
 def test_64_concurrent_streams_equal_one_at_a_time(served, client):
@@ -289,6 +314,77 @@ def test_penalties_and_biases_change_greedy_choices_by_their_formula(served, hf_
         assert want == [5] * n
 
 
+KILN_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "kind": {"enum": ["kiln", "oven", "furnace"]},
+        "size": {"type": "object", "properties": {"w": {"type": "integer", "minimum": 1, "maximum": 500},
+                                                  "h": {"type": "integer", "minimum": -9, "maximum": 99}},
+                 "required": ["w", "h"], "additionalProperties": False},
+        "glazes": {"type": "array", "items": {"enum": ["celadon", "tenmoku", "shino"]}, "maxItems": 3},
+        "fired": {"type": "boolean"},
+    },
+    "required": ["name", "kind", "size", "glazes", "fired"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_outputs_always_validate(served):
+    """20 seeded samples (temperature 1, a random-ish demo model that would never write JSON by
+    itself), ten to a batch: every one parses and matches the schema, nested object and enums included."""
+    import jsonschema
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Describe a kiln"}], "max_tokens": 200,
+            "temperature": 1.0, "n": 10,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "kiln", "schema": KILN_SCHEMA}}}
+    choices = [c for seed in (0, 10) for c in httpx.post(served[0] + "/v1/chat/completions", json={**body, "seed": seed},
+                                                          timeout=120).json()["choices"]]  # seeds 0-19
+    docs = [json.loads(c["message"]["content"]) for c in choices]
+    assert all(c["finish_reason"] == "stop" for c in choices)
+    for doc in docs:
+        jsonschema.validate(doc, KILN_SCHEMA)
+    assert len({json.dumps(d) for d in docs}) > 10  # sampled, not one answer 20 times
+    assert [list(d) for d in docs] == [list(KILN_SCHEMA["properties"])] * 20  # the schema's order
+    again = httpx.post(served[0] + "/v1/chat/completions", json={**body, "n": 2, "seed": 0}, timeout=120).json()
+    assert [c["message"]["content"] for c in again["choices"]] == \
+        [c["message"]["content"] for c in choices[:2]]  # seeded: reproducible
+
+
+@pytest.mark.parametrize("fields, check", [
+    ({"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict)),
+    ({"guided_json": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4}},
+     lambda t: 2 <= len(json.loads(t)) <= 4 and all(isinstance(x, int) for x in json.loads(t))),
+    ({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2,4}"}}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2,4}", t)),
+    ({"guided_choice": ["red clay", "blue glaze"]}, lambda t: t in ("red clay", "blue glaze")),
+    ({"structured_outputs": {"choice": ["stoneware", "porcelain"]}}, lambda t: t in ("stoneware", "porcelain")),
+    ({"guided_grammar": 'start: "fire" " " ("low" | "high")'}, lambda t: t in ("fire low", "fire high")),
+])
+def test_vllm_and_openai_constraint_fields(served, fields, check):
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 120, "temperature": 1.0, "seed": 3, "n": 4,
+            **fields}
+    answer = httpx.post(served[0] + "/v1/completions", json=body, timeout=120).json()
+    for choice in answer["choices"]:
+        assert choice["finish_reason"] == "stop" and check(choice["text"]), choice
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "invalid json for structured output"),
+    ({"guided_regex": "[0-9"}, "invalid regex for structured output"),
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_regex and guided_choice both constrain the output"),
+    ({"response_format": {"type": "json_object"}, "guided_json": {"type": "object"}},
+     "response_format and guided_json both constrain the output"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "`structured_outputs.whitespace_pattern`"),
+    ({"response_format": {"type": "json_schema"}}, "json_schema goes with type json_schema"),
+    ({"guided_json": {"type": "object"}, "min_tokens": 3}, "min_tokens cannot be combined with structured output"),
+])
+def test_bad_constraints_get_400s_naming_them(served, fields, message):
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8, **fields}
+    r = httpx.post(served[0] + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
 def test_best_of_returns_the_most_likely_of_its_samples(served):
     body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 1.0, "seed": 11, "ignore_eos": True}
     samples = httpx.post(served[0] + "/v1/completions", json={**body, "n": 4, "logprobs": 0}).json()["choices"]
@@ -300,11 +396,11 @@ def test_best_of_returns_the_most_likely_of_its_samples(served):
 
 
 @pytest.mark.parametrize("path, field, value", [
-    ("/v1/completions", "guided_json", {"type": "object"}),
+    ("/v1/completions", "guided_decoding_backend", "xgrammar"),
     ("/v1/completions", "frequency_penalties", 1.0),
     ("/v1/completions", "suffix", " the end"),
-    ("/v1/completions", "structured_outputs", {"regex": "a+"}),
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/completions", "guided_whitespace_pattern", " "),
+    ("/v1/chat/completions", "response_format", {"type": "json_object", "strict": True}),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("/v1/chat/completions", "service_tier", "flex"),
     ("/v1/chat/completions", "prediction", {"type": "content", "content": "x"}),
