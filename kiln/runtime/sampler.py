@@ -15,7 +15,7 @@ class SamplingParams:
 
     max_tokens: int = 16
     temperature: float = 1.0
-    """0 means greedy."""
+    """0 means greedy (so does anything below 1e-5)."""
     top_k: int = -1
     """Keep the k most likely tokens; -1 (or 0) keeps all."""
     top_p: float = 1.0
@@ -67,8 +67,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise KilnError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.repetition_penalty <= 0:
-            raise KilnError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0.01 <= self.repetition_penalty <= 100:  # beyond it, logits / penalty overflow to inf
+            raise KilnError(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise KilnError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}
@@ -79,6 +79,10 @@ class SamplingParams:
         if self.structured_output is not None and self.min_tokens:
             raise KilnError("min_tokens cannot be combined with structured output: the grammar decides where the "
                             "output ends")
+
+
+GREEDY_BELOW = 1e-5
+"""Temperatures under this sample greedily (as vLLM does): dividing by 1e-300 overflows the logits."""
 
 
 @dataclass
@@ -123,7 +127,7 @@ def sample(
     adjusted = logits if adjusted is None else adjusted
     tokens = adjusted.argmax(-1).tolist()
     for row, p in enumerate(params):
-        if p.temperature == 0:
+        if p.temperature < GREEDY_BELOW:
             continue
         probs = (_filter(adjusted[row] / p.temperature, p.top_k, p.top_p, p.min_p)).softmax(-1)
         gen = generators[row] or default_generator

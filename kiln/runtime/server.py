@@ -36,11 +36,13 @@ logger = logging.getLogger(__name__)
 # -- request bodies ----------------------------------------------------------------------------------
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     include_usage: bool = False
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
     name: str = Field(max_length=64)
     description: str | None = None
@@ -49,7 +51,7 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -57,14 +59,14 @@ class ResponseFormat(BaseModel):
     @model_validator(mode="after")
     def _check(self):
         if (self.type == "json_schema") != (self.json_schema is not None):
-            raise ValueError("response_format: json_schema goes with type json_schema, and only with it")
+            raise ValueError("json_schema goes with type json_schema, and only with it")
         return self
 
 
 class StructuredOutputs(BaseModel):
     """vLLM's `structured_outputs`: exactly one of its constraints."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     json_: dict | str | None = Field(None, alias="json")
     regex: str | None = None
@@ -83,7 +85,7 @@ class _Sampling(BaseModel):
     """Fields completions and chat share. A field kiln does not implement is refused with a 400
     naming it (`extra="forbid"`): accepted and ignored, it would give wrong answers silently."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     temperature: float = Field(1.0, ge=0, le=2)
@@ -99,8 +101,9 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0)
-    logit_bias: dict[int, float] | None = Field(None, description="token id -> bias in [-100, 100]")
+    repetition_penalty: float = Field(1.0, ge=0.01, le=100)
+    logit_bias: dict[str, float] | None = Field(None, description="token id (a string, as in JSON) -> bias in "
+                                                "[-100, 100]")
     min_tokens: int = Field(0, ge=0)
     user: str | None = Field(None, description="an end-user id for the logs; it changes no output")
     response_format: ResponseFormat | None = None
@@ -143,7 +146,7 @@ class _Sampling(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-            logit_bias=dict(self.logit_bias or {}), min_tokens=min(self.min_tokens, max_tokens),
+            logit_bias={int(t): v for t, v in (self.logit_bias or {}).items()}, min_tokens=min(self.min_tokens, max_tokens),
             structured_output=self.structured_output(),
         )
 
@@ -151,6 +154,8 @@ class _Sampling(BaseModel):
     def _check_biases(self):
         if any(not -100 <= v <= 100 for v in (self.logit_bias or {}).values()):
             raise ValueError("logit_bias values must be in [-100, 100]")
+        if any(not t.isdigit() for t in self.logit_bias or {}):
+            raise ValueError("logit_bias keys must be token ids (non-negative integers)")
         return self
 
 
@@ -180,11 +185,15 @@ class CompletionRequest(_Sampling):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
 
@@ -205,6 +214,34 @@ class ChatCompletionRequest(_Sampling):
 
 
 # -- errors ------------------------------------------------------------------------------------------
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape, for every status the server answers with other than 200."""
+
+    error: ErrorDetail
+
+
+def _errors(*statuses: int) -> dict:
+    """OpenAPI entries for the error statuses a route answers with (the schema lists exactly these)."""
+    said = {400: "invalid request: the message names the field or the problem", 404: "unknown model",
+            405: "method not allowed (the Allow header lists the allowed ones)",
+            499: "the client closed the connection before the answer (nobody reads this one)",
+            500: "a failure inside the server", 503: "the engine is not running"}
+    return {s: {"model": ErrorResponse, "description": said[s]} for s in statuses}
+
+
+GENERATION_RESPONSES = {
+    200: {"description": "the completion; with stream, server-sent events ending in `data: [DONE]`",
+          "content": {"application/json": {}, "text/event-stream": {}}},
+    **_errors(400, 404, 405, 499, 500, 503),
+}
 
 def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
           code: str | None = None) -> JSONResponse:
@@ -338,7 +375,9 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_m
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
-        return error(exc.status_code, str(exc.detail), kind)
+        response = error(exc.status_code, str(exc.detail), kind)
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(ServerError)
     async def _server_error(request: Request, exc: ServerError) -> JSONResponse:
@@ -357,22 +396,24 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_m
         logger.exception("error serving %s %s", request.method, request.url.path)
         return error(500, f"internal error: {type(exc).__name__}", "server_error")
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"description": "the engine serves"}, **_errors(405, 503)})
     async def health() -> Response:
         if not engine.healthy:
             return error(503, f"the engine is not running ({engine.error})", "server_error")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(405))
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
                                             "owned_by": "kiln", "max_model_len": max_model_len}]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={
+        200: {"description": "Prometheus text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        **_errors(405)})
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         prompts = _completion_prompts(body.prompt, tokenizer)
@@ -437,7 +478,7 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_m
         choices = [choice(i, out, out.text if generated(out) else "", 0) for i, out in enumerate(finals)]
         return JSONResponse({**head, "choices": choices, "usage": usage})
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         text = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
@@ -479,6 +520,24 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_m
         return JSONResponse({"id": request_id, "object": "chat.completion", "created": created, "model": model_name,
                              "choices": choices, "usage": _usage(prompt_tokens, sum(len(o.token_ids) for o in finals))})
 
+    generate_schema = app.openapi
+
+    def openapi() -> dict:
+        """FastAPI's schema without its 422s (bad input is answered 400 in OpenAI's shape instead), and
+        with `model` naming the one model served (any other name is a 404)."""
+        if app.openapi_schema is None:
+            schema = generate_schema()
+            for name in ("CompletionRequest", "ChatCompletionRequest"):
+                schema["components"]["schemas"][name]["properties"]["model"]["enum"] = [model_name]
+            for operations in schema["paths"].values():
+                for operation in operations.values():
+                    operation["responses"].pop("422", None)
+            schema["components"]["schemas"].pop("HTTPValidationError", None)
+            schema["components"]["schemas"].pop("ValidationError", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 
