@@ -33,7 +33,13 @@ class _Stream:
 
 
 class EngineUnavailable(Exception):
-    """The engine thread has stopped (a failed step, or shutdown): no request can run."""
+    """The engine thread has stopped (a failed step under tensor parallelism, or shutdown): no request
+    can run."""
+
+
+class StepFailed(Exception):
+    """A step this request was in failed (a bug, an out-of-memory): the request ends with a 500, the
+    engine goes on with the others."""
 
 
 class RequestStream:
@@ -132,19 +138,31 @@ class AsyncEngine:
                     self.feed.publish(self._applied)
                 self._applied = []
                 outputs = self.engine.step()
-            except Exception as e:  # a bug or an out-of-memory: fail every request, report unhealthy
+            except Exception as e:  # a bug or an out-of-memory
                 logger.exception("engine step failed")
-                self.error = e
-                if self.feed is not None:
-                    self.feed.publish([], stop=True)
+                if self.feed is None:  # fail the step's requests only, and go on serving the rest
+                    self._fail_running(e)
+                    continue
+                self.error = e  # the other ranks cannot be brought back in step: stop, report unhealthy
+                self.feed.publish([], stop=True)
                 for request_id in list(self._streams):
-                    self._deliver(request_id, KilnError(f"the engine failed: {type(e).__name__}: {e}"))
+                    self._deliver(request_id, EngineUnavailable(f"the engine failed: {type(e).__name__}: {e}"))
                 return
             now = time.perf_counter()
             for out in outputs:
                 self._record(out, now)
                 self._deliver(out.request_id, out)
             self._update_gauges()
+
+    def _fail_running(self, e: Exception) -> None:
+        """End every request the failed step ran (their state is suspect) with `StepFailed`; their
+        blocks are freed, the waiting requests stay queued."""
+        for seq in list(self.engine.scheduler.running):
+            self.engine.abort(seq.request_id)
+            if seq.request_id in self._streams:
+                self.metrics.finished("error")
+                self._deliver(seq.request_id, StepFailed(f"the step running this request failed: "
+                                                         f"{type(e).__name__}: {e}"))
 
     def _drain(self) -> None:
         while True:

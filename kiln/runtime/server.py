@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException
 
 from kiln.errors import KilnError
-from kiln.runtime.async_engine import AsyncEngine, EngineUnavailable, RequestStream
+from kiln.runtime.async_engine import AsyncEngine, EngineUnavailable, RequestStream, StepFailed
 from kiln.runtime.engine import RequestOutput
 from kiln.runtime.lockstep import StepFeed
 from kiln.runtime.metrics import CONTENT_TYPE
@@ -387,6 +387,10 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_m
     async def _kiln_error(request: Request, exc: KilnError) -> JSONResponse:
         return error(400, str(exc))
 
+    @app.exception_handler(StepFailed)
+    async def _step_failed(request: Request, exc: StepFailed) -> JSONResponse:
+        return error(500, str(exc), "server_error")
+
     @app.exception_handler(EngineUnavailable)
     async def _unavailable(request: Request, exc: EngineUnavailable) -> JSONResponse:
         return error(503, str(exc), "server_error")
@@ -552,13 +556,18 @@ def _event_stream(streams: list[RequestStream], head: dict, choice: Callable[[in
             yield _sse(payload)
         sent: dict[int, tuple[int, int]] = {}  # choice index -> (characters, tokens) sent
         completion_tokens = 0
-        async for index, out in _merged(streams):
-            chars, toks = sent.get(index, (0, 0))
-            sent[index] = (len(out.text), len(out.token_ids))
-            if out.finished:
-                completion_tokens += len(out.token_ids)
-            if len(out.text) > chars or out.finished:
-                yield _sse({**head, "choices": [choice(index, out, chars, toks)]})
+        try:
+            async for index, out in _merged(streams):
+                chars, toks = sent.get(index, (0, 0))
+                sent[index] = (len(out.text), len(out.token_ids))
+                if out.finished:
+                    completion_tokens += len(out.token_ids)
+                if len(out.text) > chars or out.finished:
+                    yield _sse({**head, "choices": [choice(index, out, chars, toks)]})
+        except (StepFailed, EngineUnavailable) as e:  # the status is sent already: an error event, as vLLM
+            yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+            yield "data: [DONE]\n\n"
+            return
         if options and options.include_usage:
             yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
         yield "data: [DONE]\n\n"

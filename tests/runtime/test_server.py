@@ -472,6 +472,40 @@ def test_openapi_documents_every_status(served):
     assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["message"]
 
 
+def test_a_failed_step_fails_its_requests_only_and_serving_goes_on(eager):
+    """A bug in a step: the requests it ran get a 500 in OpenAI's shape (an error event when
+    streaming), the engine stays up and healthy, and the next request is served correctly."""
+    from fastapi.testclient import TestClient
+
+    engine = AsyncEngine(eager.engine, model_name=MODEL)
+    real, fail = eager.engine.runner.execute, [True]
+
+    def execute(*args, **kwargs):
+        if fail.pop() if fail else False:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    want = eager.generate([PROMPTS[0]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].text
+    eager.engine.runner.execute = execute
+    engine.start()
+    try:
+        with TestClient(create_app(engine, eager.tokenizer, MODEL, MAX_MODEL_LEN)) as http:
+            failed = http.post("/v1/completions", json=body)
+            assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+            assert "injected" in failed.json()["error"]["message"]
+            assert http.get("/health").status_code == 200
+            assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
+            fail.append(True)
+            lines = http.post("/v1/completions", json={**body, "stream": True}).text.splitlines()
+            assert any('"error"' in line and "injected" in line for line in lines) and lines[-2] == "data: [DONE]"
+            assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == want
+            assert engine.num_requests == 0 and eager.engine.scheduler.kv_usage == 0
+    finally:
+        engine.shutdown()
+        eager.engine.runner.execute = real
+
+
 def test_a_stopped_engine_is_unhealthy_and_refuses_work(eager):
     from fastapi.testclient import TestClient
 
