@@ -8,12 +8,15 @@ A pass's `uuid()` is part of the artifact key, so editing a pass rebuilds the ar
 import functools
 import hashlib
 import inspect
+import json
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import fx
+
+from kiln.errors import KilnError
 
 SizeRange = tuple[int, int]
 """Token counts [low, high], both inclusive, that one compiled graph serves."""
@@ -25,7 +28,12 @@ def source_hash(obj: type) -> str:
     try:
         text = inspect.getsource(module) if module is not None else inspect.getsource(obj)
     except (OSError, TypeError):  # defined in a REPL or a notebook: the class body is all there is
-        text = inspect.getsource(obj)
+        try:
+            text = inspect.getsource(obj)
+        except (OSError, TypeError):
+            raise KilnError(f"the source of pass {obj.__qualname__} cannot be read (defined in `python -c` or at "
+                            "an interactive prompt?), and its source is what names its artifacts: define it in a "
+                            "file, or give it a uuid() of its own") from None
     return hashlib.sha256(f"{obj.__module__}.{obj.__qualname__}\n{text}".encode()).hexdigest()[:16]
 
 
@@ -45,8 +53,22 @@ class GraphPass:
         """Rewrite `graph` in place; return how many sites it changed."""
         raise NotImplementedError(f"{type(self).__name__} must implement __call__(graph) -> int")
 
+    def config(self) -> dict[str, Any]:
+        """The settings that change what this pass does, as JSON data, for `uuid()`: by default the
+        constructor's arguments, read back from the attributes of the same names."""
+        params = inspect.signature(type(self).__init__).parameters
+        return {name: getattr(self, name) for name in params if name != "self" and hasattr(self, name)}
+
     def uuid(self) -> str:
-        return source_hash(type(self))
+        """Source and configuration: two configurations of one pass class never share artifacts."""
+        config = self.config()
+        try:
+            text = json.dumps(config, sort_keys=True)
+        except TypeError:
+            raise KilnError(f"pass {self.name!r}: config() gave {config!r}, which is not JSON data; override "
+                            "config() to return the settings that change what the pass does as numbers, strings "
+                            "and lists") from None
+        return hashlib.sha256(f"{source_hash(type(self))}\n{text}".encode()).hexdigest()[:16]
 
     def applies_to(self, size_range: SizeRange) -> bool:
         return True

@@ -140,6 +140,9 @@ class Lowering(PatternPass):
         self.weight_formats: dict[str, str] = {}
         """Packed weight inputs of the last graph: placeholder target -> format (`packed_linear`)."""
 
+    def config(self) -> dict:
+        return {"choose": self.choose, "gemm_choice": self.gemms is not None}
+
     def patterns(self) -> list[Pattern]:
         return [*_norms(), *(p for kind in QUANT_KINDS for p in _quantized(kind))]
 

@@ -1,8 +1,11 @@
 """The paged KV cache: per-layer [2, num_blocks, block_size, kv_heads, head_dim] tensors and the
 allocator that hands out their blocks."""
 
+import hashlib
 import math
 import mmap
+import sys
+from array import array
 from collections import OrderedDict
 
 import torch
@@ -23,8 +26,8 @@ class BlockAllocator:
         self.num_blocks, self.prefix_caching = num_blocks, prefix_caching
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._refs = [0] * num_blocks
-        self._hash_of: dict[int, int] = {}
-        self._by_hash: dict[int, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+        self._by_hash: dict[bytes, int] = {}
         self.hits = self.queries = 0
         """Blocks found in the cache, blocks looked up: the prefix-cache hit rate."""
 
@@ -51,13 +54,13 @@ class BlockAllocator:
             if self._refs[block] == 0:
                 self._free[block] = None
 
-    def register(self, block: int, block_hash: int) -> None:
+    def register(self, block: int, block_hash: bytes) -> None:
         """`block` is full and its tokens hash to `block_hash`: later prompts may share it."""
         if self.prefix_caching and block_hash not in self._by_hash and block not in self._hash_of:
             self._by_hash[block_hash] = block
             self._hash_of[block] = block_hash
 
-    def lookup(self, hashes: list[int]) -> list[int]:
+    def lookup(self, hashes: list[bytes]) -> list[int]:
         """The cached blocks of the longest prefix of `hashes`, now held by the caller."""
         if not self.prefix_caching:
             return []
@@ -75,12 +78,17 @@ class BlockAllocator:
         return blocks
 
 
-def block_hashes(token_ids: list[int], block_size: int, start: int = 0, parent: int | None = None) -> list[int]:
-    """Hashes of the full blocks of `token_ids` from block `start` on, each chained to the one
-    before it (`parent`: the hash of block start - 1), so equal hashes mean equal prefixes."""
+def block_hashes(token_ids: list[int], block_size: int, start: int = 0, parent: bytes | None = None) -> list[bytes]:
+    """sha256 of the full blocks of `token_ids` from block `start` on, each over the hash of the block
+    before it (`parent`: block start - 1's) and its token ids as little-endian int64s, so equal hashes
+    mean equal prefixes. Collision-resistant: with Python's 64-bit `hash()` a collision, found or
+    forged, would let one request read another's KV blocks (vLLM moved to sha256 for this)."""
     hashes = []
     for i in range(start, len(token_ids) // block_size):
-        parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
+        block = array("q", token_ids[i * block_size : (i + 1) * block_size])
+        if sys.byteorder != "little":
+            block.byteswap()
+        parent = hashlib.sha256((parent or b"") + block.tobytes()).digest()
         hashes.append(parent)
     return hashes
 

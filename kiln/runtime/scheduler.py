@@ -44,7 +44,7 @@ class Sequence:
     finish_reason: str | None = None
     detokenizer: IncrementalDetokenizer | None = None
     """The request's IncrementalDetokenizer (None without a tokenizer)."""
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     """Content hashes of the full blocks among `block_ids` (prefix caching)."""
     matcher: GrammarMatcher | None = None
     """Where the output stands in its structured-output grammar, if it has one."""

@@ -186,3 +186,21 @@ def test_user_pass_returning_none_or_failing():
     assert e.value.__cause__ is None and e.value.__suppress_context__
     with pytest.raises(KilnError, match="user pass 'Wordy' returned 'done'"):
         PassManager(custom=[Wordy()]).run(gm, (1, 16))
+
+
+def test_pass_uuid_covers_configuration_and_needs_source():
+    from kiln.passes.fusion.allreduce_rms import AllReduceRMSFusion
+
+    assert AllReduceRMSFusion(2, 64).uuid() == AllReduceRMSFusion(2, 64).uuid()
+    assert len({AllReduceRMSFusion(2, 64).uuid(), AllReduceRMSFusion(2, 128).uuid(), AllReduceRMSFusion(4, 64).uuid()}) == 3
+
+    class Opaque(GraphPass):
+        def __init__(self, table: object):
+            self.table = table
+
+    with pytest.raises(KilnError, match=r"pass 'Opaque': config\(\) gave .* override config\(\)"):
+        Opaque(object()).uuid()
+    code = ("from kiln.passes import GraphPass\nclass Inline(GraphPass):\n    pass\n"
+            "from kiln import KilnError\ntry:\n    Inline().uuid()\nexcept KilnError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "cannot be read (defined in `python -c`" in out and "define it in a file" in out

@@ -53,3 +53,15 @@ def test_kv_tensors_are_combined_and_zeroed():
     assert len(caches) == 3
     assert caches[0].shape == (2, 5, 16, 2, 16) and caches[0].dtype == torch.bfloat16
     assert not caches[0].any()
+
+
+def test_block_hashes_are_chained_sha256():
+    """Known answer: block i's hash is sha256(hash of block i-1 + its ids as little-endian int64)."""
+    import hashlib
+    import struct
+
+    tokens = [1, 2, 3, 4, 70000, 6, 7, 8, 9]
+    first = hashlib.sha256(struct.pack("<4q", 1, 2, 3, 4)).digest()
+    second = hashlib.sha256(first + struct.pack("<4q", 70000, 6, 7, 8)).digest()
+    assert block_hashes(tokens, 4) == [first, second]
+    assert block_hashes(tokens, 4, start=1, parent=first) == [second]
