@@ -2,9 +2,10 @@
 batch 16, on the demo model's compiled artifact (a fast model, so the grammar's share shows), and
 the grammar libraries side by side on one vocabulary (why kiln uses llguidance).
 
-    python benchmarks/structured_output.py [--out results.json] [--cache-dir DIR] [--steps 48]
+    python benchmarks/structured_output.py [--out results.json] [--cache-dir DIR] [--steps 48] [--rounds 6]
 
-Step time is the median over the decode steps in which all 16 requests run, temperature 1, seeded.
+Step time is the median over the decode steps in which all 16 requests run, temperature 1, seeded,
+from one step's start to the next's.
 The library comparison (llguidance vs xgrammar when installed) builds a byte-level BPE tokenizer of
 32k tokens here and reports tokenizer set-up, schema compile and per-token mask times on one JSON
 document.
@@ -44,17 +45,20 @@ DOCUMENT = {"name": "big brick kiln number one", "kind": "furnace", "size": {"w"
 
 
 def step_times(llm: LLM, structured: StructuredOutput | None, batch: int, steps: int) -> list[float]:
-    """Seconds of each engine step in which all `batch` requests decode."""
+    """Seconds from the start of each engine step in which all `batch` requests decode to the start of
+    the next: work kiln moves off the step (masks computed on a thread) is counted where it lands."""
     engine, times = llm.engine, []
     for i in range(batch):
         engine.add_request(llm.tokenizer.encode("The kiln was"), SamplingParams(
             max_tokens=steps, temperature=1.0, seed=i, ignore_eos=True, structured_output=structured))
+    last = None
     while engine.has_unfinished():
         full = len(engine.scheduler.running) == batch and all(s.num_computed for s in engine.scheduler.running)
         start = time.perf_counter()
+        if last is not None:
+            times.append(start - last)
         engine.step()
-        if full:
-            times.append(time.perf_counter() - start)
+        last = start if full else None
     return times
 
 
@@ -130,6 +134,7 @@ def main() -> None:
     parser.add_argument("--cache-dir", help="artifact cache (default: a temporary one, compiled here)")
     parser.add_argument("--steps", type=int, default=48, help="tokens per request (default 48)")
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds of each variant (default 6)")
     parser.add_argument("--vocab", type=int, default=32000, help="the library comparison's vocabulary size")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -139,7 +144,7 @@ def main() -> None:
                        "json_object": StructuredOutput.json_object()}
         step_times(llm, None, args.batch, 8)  # warm-up
         medians = {}
-        for _ in range(3):  # interleaved, so drift on a shared machine hits every variant alike
+        for _ in range(args.rounds):  # interleaved, so drift on a shared machine hits every variant alike
             for name, constraint in constraints.items():
                 medians.setdefault(name, []).extend(step_times(llm, constraint, args.batch, args.steps))
         step_ms = {name: round(statistics.median(t) * 1e3, 3) for name, t in medians.items()}
