@@ -8,6 +8,8 @@ from pathlib import Path
 
 from kiln.errors import KilnError
 
+DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
+
 logger = logging.getLogger("kiln.cli")
 
 
@@ -30,6 +32,23 @@ def _at_least(low: int):
         return value
 
     return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
 
 
 def _compile_config(args: argparse.Namespace):
@@ -57,7 +76,8 @@ def _shaped_model(args: argparse.Namespace):
         raise KilnError(f"model directory {args.model_dir} does not exist")
     # every rank compiles to the same graph (DESIGN.md section 8), so rank 0's serves them all
     parallel = ParallelConfig(rank=0, world_size=args.tensor_parallel_size)
-    model = create_model(ModelConfig.from_model_dir(Path(args.model_dir)), parse_dtype(args.dtype),
+    config = ModelConfig.from_model_dir(Path(args.model_dir))
+    model = create_model(config, parse_dtype(config.resolve_dtype(args.dtype)),
                          parse_device(args.device), parallel=parallel)
     if args.quantization:
         from kiln.models.quantization import quantize_model
@@ -144,11 +164,14 @@ def _llm(args: argparse.Namespace, compile: bool, **options):
         cudagraph_sizes=() if args.no_cudagraphs else args.cudagraph_sizes,
         threads=args.threads,
         lm_head_quantization=args.lm_head_quantization,
-        **({"kv_cache_memory_bytes": args.kv_cache_memory} if args.kv_cache_memory else {}),
+        kv_cache_memory_bytes=args.kv_cache_memory,
+        memory_utilization=args.memory_utilization,
         **options,
     )
-    if llm.threads and llm.parallel.rank == 0:
-        _say(describe(llm.threads, args.threads is not None))
+    if llm.parallel.rank == 0:
+        _say(llm.dtype_note)
+        if llm.threads:
+            _say(describe(llm.threads, args.threads is not None))
     return llm
 
 
@@ -247,13 +270,18 @@ def _add_threads_option(parser: argparse.ArgumentParser) -> None:
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     from kiln.cache_tools.units import parse_size
+    from kiln.config import EngineConfig
 
     parser.add_argument("--lm-head-quantization", choices=["int8"], help="run the LM head on int8 weights (per "
                         "channel) and activations (per token): a quarter of fp32's bytes, for large vocabularies; "
                         "benchmarks/quantization.py reports its effect on greedy outputs (default: the model dtype)")
 
     parser.add_argument("--kv-cache-memory", type=_units(parse_size), metavar="SIZE", help="memory for the paged "
-                        "KV cache, e.g. 8G (default 1G); it never exceeds max-num-seqs full sequences")
+                        "KV cache, e.g. 8G (default: --memory-utilization of the memory left after the weights); "
+                        "it never exceeds max-num-seqs full sequences")
+    parser.add_argument("--memory-utilization", type=_fraction, default=EngineConfig.memory_utilization,
+                        metavar="F", help="share of the memory available after loading the weights that the KV "
+                        f"cache and activations may take (default {EngineConfig.memory_utilization})")
     parser.add_argument("--cudagraph-sizes", type=_sizes, default=None, metavar="N,N,...", help="token counts to "
                         "pad batches to and capture piecewise CUDA graphs at, at start-up (default on CUDA: 1,2,4,8,"
                         "16,... up to max-num-seqs; on CPU none: there are no graphs, padding only costs)")
@@ -264,6 +292,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
 def _cmd_serve(args: argparse.Namespace) -> None:
     from kiln.runtime.server import serve, warm_up
 
+    config = _server_config(args)
     _as_ranks(args)
     llm = _llm(args, args.artifact != "eager", artifact=None if args.artifact in ("auto", "eager") else args.artifact,
                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -278,7 +307,24 @@ def _cmd_serve(args: argparse.Namespace) -> None:
             follow(llm.engine, group)
             return
         feed = StepFeed(group)
-    serve(llm, args.host, args.port, args.served_model_name, feed=feed)
+    serve(llm, config, args.served_model_name, feed=feed)
+
+
+def _server_config(args: argparse.Namespace):
+    """The listening, limits, auth and TLS options, checked before the model loads."""
+    import os
+
+    from kiln.config import ServerConfig
+
+    for name in ("ssl_keyfile", "ssl_certfile"):
+        path = getattr(args, name)
+        if path is not None and not Path(path).is_file():
+            raise KilnError(f"--{name.replace('_', '-')} {path}: no such file")
+    return ServerConfig(
+        host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,
+        request_timeout=args.request_timeout, api_key=args.api_key or os.environ.get("KILN_API_KEY") or None,
+        auth_exempt=tuple(args.auth_exempt or ()), ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+        ssl_ciphers=args.ssl_ciphers, allowed_origins=tuple(args.allowed_origins or ()))
 
 
 def _cmd_cache(args: argparse.Namespace) -> int:
@@ -308,9 +354,9 @@ def _cmd_cache(args: argparse.Namespace) -> int:
                 raise KilnError("prune needs --older-than AGE, --max-size SIZE or both")
             return commands.prune_cache(cache, args.older_than, args.max_size, args.dry_run, as_json)
         case "export":
-            return commands.export(cache, args.key, args.output, as_json)
+            return commands.export(cache, args.key, args.output, as_json, args.sha256)
         case "import":
-            return commands.import_(cache, args.tarball, as_json)
+            return commands.import_(cache, args.tarball, as_json, args.sha256)
         case "dump":
             return commands.dump_artifact(cache, args.key, args.output, as_json)
     raise AssertionError(args.cache_command)
@@ -356,8 +402,8 @@ def _add_cache_parser(sub) -> None:
                 "DIR) against the nearest artifact in the cache.")
     p.add_argument("keys", nargs="*", metavar="KEY")
     p.add_argument("--model", dest="model_dir", metavar="DIR", help="the model directory whose key to explain")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="with --model: "
-                   "activations dtype (default float32)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="with --model: "
+                   "the dtype (default auto: the checkpoint's)")
     _add_compile_options(p, cache_dir=False)
     p = command("prune", "delete old or least recently used artifacts", "Delete artifacts last used (or made) "
                 "longer ago than --older-than, then the least recently used ones while the cache is larger than "
@@ -369,9 +415,16 @@ def _add_cache_parser(sub) -> None:
                 "import on another machine with the same torch and CPU (compile in CI, serve elsewhere).")
     p.add_argument("key", metavar="KEY")
     p.add_argument("-o", "--output", required=True, metavar="FILE", help="the tarball to write (.tar.gz)")
+    p.add_argument("--sha256", action="store_true", help="also write FILE.sha256 (sha256sum's format), for "
+                   "`import --sha256` on the other end")
     p = command("import", "add an exported artifact to the cache", "Unpack a tarball from `kiln cache export`, "
-                "verify every file and that it loads on this machine, then move it into the cache in one step.")
+                "verify every file and that it loads on this machine, then move it into the cache in one step. "
+                "An artifact is code: serving it runs its programs/*.py and loads its shared libraries, so "
+                "import only tarballs you trust, checked with --sha256. Tarballs with links or paths outside "
+                "the artifact's directory are refused.")
     p.add_argument("tarball", metavar="FILE")
+    p.add_argument("--sha256", metavar="HEX|FILE", help="refuse the tarball unless its sha256 is this (64 hex "
+                   "digits, or the .sha256 file `export --sha256` wrote)")
     p = command("dump", "write an artifact as readable code", "Write the manifest, the stitching programs, "
                 "Dynamo's depyf-decompiled bytecode and graph, the graphs before and after the passes, every "
                 "piece's graph and Inductor's generated code for each compiled piece.")
@@ -380,6 +433,8 @@ def _add_cache_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kiln.config import ServerConfig
+
     from kiln.models.demo import DEMO_ARCHS, TRAIN_STEPS
 
     parser = argparse.ArgumentParser(
@@ -401,8 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string; repeat for several")
     gen.add_argument("--json-schema", metavar="FILE", help="constrain each output to this JSON schema (a file); "
                      "only the JSON is printed, one document per prompt")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and "
-                     "activations dtype (default float32)")
+    gen.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights and "
+                     "activations dtype (default auto: the checkpoint's, config.json's torch_dtype)")
     gen.add_argument("--compile", action="store_true", help="run the compiled artifact (compiling it first if "
                      "it is absent or unusable)")
     gen.add_argument("--require-artifact", action="store_true", help="run the compiled artifact and fail if it is "
@@ -422,8 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: one per core; CPU only).")
     comp.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model directory (config.json, "
                       "*.safetensors); only its config is read")
-    comp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="activations dtype "
-                      "(default float32)")
+    comp.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights and "
+                      "activations dtype (default auto: the checkpoint's, config.json's torch_dtype)")
     _add_compile_options(comp)
     _add_threads_option(comp)
     comp.add_argument("--dump-dir", metavar="DIR", help="write depyf's decompiled bytecode and the graphs before "
@@ -453,8 +508,25 @@ def build_parser() -> argparse.ArgumentParser:
                      "once; more wait (default 64)")
     srv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                      help="reuse the KV blocks of prompt prefixes seen before (default on)")
-    srv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and "
-                     "activations dtype (default float32)")
+    srv.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights and "
+                     "activations dtype (default auto: the checkpoint's, config.json's torch_dtype)")
+    limits = srv.add_argument_group("limits")
+    limits.add_argument("--max-queued-requests", type=_at_least(0), default=ServerConfig.max_queued_requests,
+                        metavar="N", help="sequences waiting beyond the max-num-seqs running; past it a request is "
+                        f"answered 503 with Retry-After (default {ServerConfig.max_queued_requests})")
+    limits.add_argument("--request-timeout", type=_positive_float, metavar="SECONDS", help="abort a request this "
+                        "long after it arrived, queueing included, and answer 408 (default: no limit)")
+    security = srv.add_argument_group("security")
+    security.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on every request "
+                          "(else 401); default $KILN_API_KEY, else none")
+    security.add_argument("--auth-exempt", action="append", choices=["/health", "/metrics"], metavar="PATH",
+                          help="serve /health or /metrics without the key (for probes and scrapers); repeatable")
+    security.add_argument("--ssl-keyfile", metavar="FILE", help="serve HTTPS with this private key (PEM)")
+    security.add_argument("--ssl-certfile", metavar="FILE", help="... and this certificate chain (PEM)")
+    security.add_argument("--ssl-ciphers", default=ServerConfig.ssl_ciphers, metavar="LIST", help="OpenSSL cipher "
+                          f"list (default {ServerConfig.ssl_ciphers})")
+    security.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN", help="browser origins allowed by "
+                          "CORS, e.g. https://app.example.com, or * (default: none)")
     _add_compile_options(srv)
     _add_threads_option(srv)
     _add_engine_options(srv)

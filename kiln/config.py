@@ -46,14 +46,34 @@ def parse_device(name: str) -> "torch.device":
     return device
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU does bf16 arithmetic in hardware (AVX512-BF16 or AMX); without it, bf16
+    matmuls convert to fp32 in software."""
+    import torch
+
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if all(check is None for check in checks):
+        try:
+            flags = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+    return any(check() for check in checks if check is not None)
+
+
 @dataclass
 class EngineConfig:
     """How the runtime batches and caches: the knobs of the scheduler and the paged KV cache."""
 
     block_size: int = 16
     """Tokens per KV-cache block."""
-    kv_cache_memory_bytes: int = 1 << 30
-    """Upper bound on KV-cache memory; the cache is never larger than max_num_seqs full sequences."""
+    kv_cache_memory_bytes: int | None = None
+    """KV-cache memory; None: `memory_utilization` of the memory left once the weights are loaded, less
+    activations. Never more than max_num_seqs full sequences take."""
+    memory_utilization: float = 0.9
+    """The share of the memory available after loading the weights that the KV cache and activations
+    may take (vLLM's gpu_memory_utilization, over free memory; on a CPU, MemAvailable, shared by the
+    ranks of a tensor-parallel group)."""
     max_num_seqs: int = 64
     """Sequences running at once; more wait in the queue."""
     max_num_batched_tokens: int = 2048
@@ -68,8 +88,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise KilnError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.memory_utilization <= 1:
+            raise KilnError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         bad = [s for s in self.cudagraph_sizes or () if not 1 <= s <= self.max_num_batched_tokens]
         if bad:
             raise KilnError(f"cudagraph sizes {bad} are outside [1, max_num_batched_tokens={self.max_num_batched_tokens}]")
@@ -152,6 +174,47 @@ class ParallelConfig:
     def __post_init__(self):
         if not 0 <= self.rank < self.world_size:
             raise KilnError(f"tensor parallel rank {self.rank} is outside world size {self.world_size}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How `kiln serve` listens and whom it admits: limits, authentication, TLS and CORS."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_queued_requests: int = 256
+    """Sequences admitted beyond the max_num_seqs running; past it a request gets 503 with
+    Retry-After, so a flood costs bounded memory."""
+    request_timeout: float | None = None
+    """Seconds from arrival (queueing included) after which a request is aborted and answered 408;
+    None: no limit."""
+    api_key: str | None = None
+    """Clients must send `Authorization: Bearer <api_key>` (else 401); None: anyone may."""
+    auth_exempt: tuple[str, ...] = ()
+    """Paths (/health, /metrics) served without the key, for probes and scrapers."""
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ciphers: str = "TLSv1"
+    """OpenSSL cipher list for TLS (uvicorn's default)."""
+    allowed_origins: tuple[str, ...] = ()
+    """Browser origins allowed by CORS ("*" for any); none by default."""
+
+    def __post_init__(self) -> None:
+        if self.max_queued_requests < 0:
+            raise KilnError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise KilnError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise KilnError("the API key is empty: give a non-empty --api-key (or KILN_API_KEY), or none")
+        if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
+            raise KilnError("TLS needs both --ssl-keyfile and --ssl-certfile")
+        bad = [p for p in self.auth_exempt if p not in ("/health", "/metrics")]
+        if bad:
+            raise KilnError(f"only /health and /metrics can be exempt from the API key, not {', '.join(bad)}")
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile else "http"
 
 
 def default_cache_dir() -> Path:

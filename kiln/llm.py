@@ -8,15 +8,17 @@ from pathlib import Path
 import torch
 
 from kiln.compiler.key import cache_key, model_factors
-from kiln.config import CompileConfig, EngineConfig, ParallelConfig, default_cache_dir, parse_device, parse_dtype
+from kiln.config import (CompileConfig, EngineConfig, ParallelConfig, cpu_has_native_bf16, default_cache_dir,
+                         parse_device, parse_dtype)
 from kiln.errors import KilnError
 from kiln.models.config import ModelConfig
 from kiln.models.lm_head import quantize_lm_head
-from kiln.models.loader import load_weights
+from kiln.models.loader import checkpoint_bytes, load_weights
 from kiln.models.quantization import check_scheme, quantize_model
 from kiln.models.registry import create_model
 from kiln.passes import GraphPass
 from kiln.runtime.engine import Engine, RequestOutput
+from kiln.runtime.memory import MemoryPlan, activation_bytes, available_bytes, kv_bytes_per_token
 from kiln.runtime.parallel import init_from_env
 from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.tokenizer import Tokenizer
@@ -34,6 +36,9 @@ class LLM:
     `quantization="int8"` or `"fp8"` quantizes the decoder's projections (W8A8, per-channel weights, per-token activations)
     after loading, unless the checkpoint is quantized already. `passes` adds the user's own graph
     passes (`kiln.passes.GraphPass`) to the compile; they are part of the artifact key.
+    `dtype="auto"` runs in the checkpoint's dtype (config.json's `torch_dtype`); "float32",
+    "bfloat16" or "float16" cast to it. Before loading, the weights and a KV cache are checked
+    against the memory available; the KV cache then takes `memory_utilization` of what is left.
     `artifact=PATH` runs that artifact directly (no key lookup, never compiles).
     `tensor_parallel_size=N` splits the model over N processes started by `torchrun --nproc-per-node N`:
     every rank builds its share, and every rank returns the same outputs. `threads` sets the CPU
@@ -48,7 +53,7 @@ class LLM:
     def __init__(
         self,
         model: str | Path,
-        dtype: str = "float32",
+        dtype: str = "auto",
         compile: bool = False,
         seed: int = 0,
         device: str = "auto",
@@ -68,19 +73,22 @@ class LLM:
         if not model_dir.is_dir():
             raise KilnError(f"model directory {model_dir} does not exist")
         self.model_config = ModelConfig.from_model_dir(model_dir)
+        self.dtype = self.model_config.resolve_dtype(dtype)
+        """The dtype the model runs in: `dtype`, or for "auto" the checkpoint's."""
         chosen = parse_device(device)
         self.threads = use_threads(threads) if chosen.type == "cpu" or threads is not None else None
         """How many CPU threads run the kernels (None: torch's default, on a GPU)."""
         self.parallel = _join_group(tensor_parallel_size, chosen.type)
         self.device = _pin(chosen)
-        self.model = create_model(self.model_config, parse_dtype(dtype), self.device, self.parallel)
+        engine_config = EngineConfig(**engine_options)
+        self._check_memory(engine_config)
+        self.model = create_model(self.model_config, parse_dtype(self.dtype), self.device, self.parallel)
         load_weights(self.model, model_dir)
         if check_scheme(quantization):
             quantize_model(self.model, quantization)
         if lm_head_quantization is not None:
             quantize_lm_head(self.model, lm_head_quantization)
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
-        engine_config = EngineConfig(**engine_options)
         forward = None
         self.artifact_path: Path | None = None
         """The compiled artifact this LLM runs (compile=True only)."""
@@ -106,6 +114,44 @@ class LLM:
                                      passes)
         self.engine = Engine(self.model, engine_config, self.tokenizer, seed=seed, forward=forward)
         logger.info("ready in %.2fs", time.perf_counter() - start)
+
+    @property
+    def dtype_note(self) -> str:
+        """Which dtype runs and why, for the start-up line."""
+        why = "the checkpoint's" if self.model_config.dtype == self.dtype else "asked for"
+        note = f"running in {self.dtype} ({why}"
+        if self.device.type == "cpu" and self.dtype in ("bfloat16", "float16") and not cpu_has_native_bf16():
+            note += (f"; this CPU has no native {self.dtype} arithmetic (AVX512-BF16/AMX), so matmuls convert in "
+                     "software: they read half the bytes, faster at batch 1, but are slower than float32 on "
+                     "batches; --dtype float32 where twice the weight memory fits")
+        return note + ")"
+
+    def _check_memory(self, engine_config: EngineConfig) -> None:
+        """Fail before loading, with the numbers and what would fit, when the weights and a KV cache
+        cannot fit the memory available (instead of being killed by the OOM killer mid-load)."""
+        dtype = parse_dtype(self.dtype)
+        world = self.parallel.world_size
+        weights = checkpoint_bytes(self.model_dir, dtype) // world
+        tokens = engine_config.max_model_len or engine_config.max_num_batched_tokens  # one sequence, or one step
+        kv_min = engine_config.kv_cache_memory_bytes or kv_bytes_per_token(self.model_config, dtype) // world * tokens
+        available = available_bytes(self.device) // (world if self.device.type == "cpu" else 1)
+        plan = MemoryPlan(weights, activation_bytes(self.model_config, engine_config.max_num_batched_tokens,
+                                                    engine_config.max_num_seqs), kv_min, available,
+                          engine_config.memory_utilization)
+        options = []
+        if dtype.itemsize == 4:
+            options.append(f"--dtype bfloat16 (half the weights: {weights / 2 / (1 << 30):.1f} GiB)")
+        if engine_config.kv_cache_memory_bytes is not None:
+            options.append("a smaller --kv-cache-memory")
+        elif engine_config.max_model_len is not None:
+            options.append("a smaller --max-model-len")
+        else:
+            options.append("a smaller --max-num-tokens (a smaller step needs less KV cache and activations)")
+        if engine_config.memory_utilization < 1:
+            options.append("a higher --memory-utilization")
+        options.append("more memory, or --tensor-parallel-size N over N GPUs" if self.device.type == "cuda"
+                       else "a machine with more memory")
+        plan.check(self.dtype, engine_config.kv_cache_memory_bytes is not None, options)
 
     def _compiled(self, cache_dir: Path, compile_config: CompileConfig, require_artifact: bool,
                   passes: Sequence[GraphPass]):

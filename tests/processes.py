@@ -61,21 +61,23 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(cmd: list[str], port: int, log: Path, env: dict | None = None, timeout: float = 120) -> Iterator[str]:
-    """Start `cmd` (a `kiln serve ... --port port`), wait until /health answers, yield its base URL;
-    stop it on the way out. Its output goes to `log`."""
+def serving(cmd: list[str], port: int, log: Path, env: dict | None = None, timeout: float = 120,
+            scheme: str = "http", verify=True) -> Iterator[str]:
+    """Start `cmd` (a `kiln serve ... --port port`), wait until /health answers (over `scheme`,
+    checking the certificate with `verify`), yield its base URL; stop it on the way out. Its output
+    goes to `log`."""
     import httpx
 
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
+    url = f"{scheme}://127.0.0.1:{port}"
     try:
         deadline = time.time() + timeout
         while True:
             assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
             assert time.time() < deadline, f"server not ready in {timeout}s:\n{log.read_text()[-3000:]}"
             try:
-                if httpx.get(f"{url}/health").status_code == 200:
+                if httpx.get(f"{url}/health", verify=verify).status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)

@@ -1,6 +1,7 @@
 """The `kiln` command as a user runs it: a fresh process, real files, one-line errors."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -100,6 +101,58 @@ def test_serve_from_the_artifact(demo_dirs, kiln_cache, llama_artifact, tmp_path
     text = (tmp_path / "serve.log").read_text()
     assert f"loaded artifact {llama_artifact.name}" in text and "ready: http://127.0.0.1" in text
     assert "compiling" not in text
+
+
+def test_serve_over_https_with_an_api_key_and_cors(demo_dirs, kiln_cache, llama_artifact, tmp_path):
+    """`kiln serve` with a self-signed certificate, KILN_API_KEY and one allowed origin, as the openai
+    client and a browser's preflight see it."""
+    import ssl
+
+    import httpx
+    import openai
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    cert.private_key_pem.write_to_path(tmp_path / "key.pem")
+    for i, pem in enumerate(cert.cert_chain_pems):
+        pem.write_to_path(tmp_path / "cert.pem", append=i > 0)
+    trust = ssl.create_default_context()
+    ca.configure_trust(trust)
+    port = free_port()
+    cmd = [sys.executable, "-m", "kiln", "-v", "serve", str(demo_dirs["llama"]), "--port", str(port),
+           "--cache-dir", str(kiln_cache), "--require-artifact", "--served-model-name", "m",
+           "--ssl-keyfile", str(tmp_path / "key.pem"), "--ssl-certfile", str(tmp_path / "cert.pem"),
+           "--allowed-origins", "https://app.example", "--auth-exempt", "/health"]
+    env = {**os.environ, "KILN_API_KEY": "s3cret"}
+    with serving(cmd, port, tmp_path / "serve.log", env=env, scheme="https", verify=trust) as url:
+        # clients are closed before the server stops: TLS waits up to 30 s for an open one to say goodbye
+        with openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0,
+                           http_client=httpx.Client(verify=trust)) as client:
+            out = client.completions.create(model="m", prompt="The kiln was", max_tokens=4, temperature=0)
+            assert out.usage.completion_tokens == 4
+        with openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0,
+                           http_client=httpx.Client(verify=trust)) as client, pytest.raises(openai.AuthenticationError):
+            client.models.list()
+        with pytest.raises(openai.APIConnectionError):  # a client that does not trust the certificate
+            openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0).models.list()
+        preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+        allowed = httpx.options(url + "/v1/completions", verify=trust,
+                                headers={"Origin": "https://app.example", **preflight})
+        assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "https://app.example"
+        other = httpx.options(url + "/v1/completions", verify=trust, headers={"Origin": "https://evil.example", **preflight})
+        assert "access-control-allow-origin" not in other.headers
+        assert httpx.get(url + "/metrics", verify=trust).status_code == 401
+    assert f"ready: https://127.0.0.1:{port}" in (tmp_path / "serve.log").read_text()
+
+
+def test_serve_refuses_bad_security_options_before_loading(demo_dirs, tmp_path):
+    proc = kiln("serve", demo_dirs["llama"], "--ssl-keyfile", tmp_path / "none.pem", "--ssl-certfile",
+                tmp_path / "none.pem", check=False)
+    assert proc.returncode == 1 and "--ssl-keyfile" in proc.stderr and "no such file" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = kiln("serve", demo_dirs["llama"], "--auth-exempt", "/v1/models", check=False)
+    assert proc.returncode == 2 and "--auth-exempt" in proc.stderr
 
 
 def test_serve_without_an_artifact_when_one_is_required(demo_dirs, tmp_path):

@@ -202,17 +202,19 @@ def prune_cache(cache_dir: Path, older_than: float | None, max_size: int | None,
     return 0
 
 
-def export(cache_dir: Path, key: str, out: Path, as_json: bool) -> int:
+def export(cache_dir: Path, key: str, out: Path, as_json: bool, sha256: bool = False) -> int:
     entry = find_entry(cache_dir, key)
     path = transfer.export_entry(entry, out)
     size = path.stat().st_size
-    print(json.dumps({"key": entry.key, "path": str(path), "bytes": size}) if as_json else
-          f"exported {entry.key} to {path} ({format_size(size)})")
+    digest = transfer.write_digest(path) if sha256 else None
+    print(json.dumps({"key": entry.key, "path": str(path), "bytes": size,
+                      **({"sha256_file": str(digest)} if digest else {})}) if as_json else
+          f"exported {entry.key} to {path} ({format_size(size)})" + (f"; its sha256 is in {digest}" if digest else ""))
     return 0
 
 
-def import_(cache_dir: Path, tarball: Path, as_json: bool) -> int:
-    entry, new = transfer.import_tarball(cache_dir, tarball)
+def import_(cache_dir: Path, tarball: Path, as_json: bool, sha256: str | None = None) -> int:
+    entry, new = transfer.import_tarball(cache_dir, tarball, sha256)
     print(json.dumps({"key": entry.key, "path": str(entry.path), "new": new}) if as_json else
           f"{'imported' if new else 'already present:'} {entry.key} ({_model(entry)}) into {entry.path.parent}")
     return 0

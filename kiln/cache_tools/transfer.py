@@ -1,16 +1,52 @@
 """`kiln cache export` and `kiln cache import`: one artifact as a .tar.gz, to compile in CI and serve
-elsewhere. Both ends verify every file; an import lands in the cache in one rename or not at all."""
+elsewhere. Both ends verify every file; an import lands in the cache in one rename or not at all.
 
+An artifact is code: serving it executes its `programs/*.py` and loads its shared libraries. Import
+only tarballs you trust; `export --sha256` writes a detached digest and `import --sha256` checks it,
+so a tarball that crossed machines is the one that was exported."""
+
+import hashlib
 import os
+import re
 import shutil
 import tarfile
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from kiln.cache_tools.entries import KEY, Entry, read_entry
 from kiln.cache_tools.verify import verify_entry
 from kiln.compiler import artifact, usage
 from kiln.errors import KilnError
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_digest(tarball: Path) -> Path:
+    """`<tarball>.sha256` in `sha256sum`'s format (`sha256sum -c` checks it too)."""
+    out = Path(f"{tarball}.sha256")
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(f"{file_sha256(tarball)}  {Path(tarball).name}\n")
+    os.replace(tmp, out)
+    return out
+
+
+def expected_digest(given: str) -> str:
+    """A sha256 given as 64 hex digits or as a file whose first word is them (a `.sha256` file)."""
+    text = given.strip()
+    if not re.fullmatch(r"[0-9a-fA-F]{64}", text):
+        try:
+            text = Path(given).read_text().split()[0]
+        except (OSError, IndexError):
+            raise KilnError(f"--sha256 {given}: give the tarball's sha256 (64 hex digits) or its .sha256 file") from None
+        if not re.fullmatch(r"[0-9a-fA-F]{64}", text):
+            raise KilnError(f"--sha256 {given}: the file does not start with a sha256 (64 hex digits)")
+    return text.lower()
 
 
 def export_entry(entry: Entry, out: Path) -> Path:
@@ -33,7 +69,14 @@ def export_entry(entry: Entry, out: Path) -> Path:
 
 
 def _key_of(tar: tarfile.TarFile, tarball: Path) -> str:
-    """The one artifact directory the tarball holds; anything else in it is refused."""
+    """The one artifact directory the tarball holds; anything else in it (a path leading out of it, a
+    link, a device) is refused before anything is unpacked."""
+    for m in tar.getmembers():
+        if m.issym() or m.islnk():
+            raise KilnError(f"{tarball} holds a link, {m.name} -> {m.linkname}: refusing it (an artifact has only "
+                            "files and directories)")
+        if PurePosixPath(m.name).is_absolute() or ".." in PurePosixPath(m.name).parts:
+            raise KilnError(f"{tarball} holds {m.name}, a path outside its artifact directory: refusing it")
     tops = {Path(m.name).parts[0] for m in tar.getmembers() if m.name not in ("", ".")}
     if len(tops) != 1 or not KEY.fullmatch(next(iter(tops))):
         raise KilnError(f"{tarball} is not a kiln artifact export (expected one <key>/ directory, found "
@@ -44,12 +87,18 @@ def _key_of(tar: tarfile.TarFile, tarball: Path) -> str:
     return next(iter(tops))
 
 
-def import_tarball(cache_dir: Path, tarball: Path) -> tuple[Entry, bool]:
-    """Unpack an exported artifact into `cache_dir` after verifying it; returns the entry and whether
-    it was new (an intact copy already there is kept)."""
+def import_tarball(cache_dir: Path, tarball: Path, sha256: str | None = None) -> tuple[Entry, bool]:
+    """Unpack an exported artifact into `cache_dir` after verifying it (and, given `sha256`, that the
+    tarball is the one exported); returns the entry and whether it was new (an intact copy already
+    there is kept)."""
     tarball, cache_dir = Path(tarball), Path(cache_dir)
     if not tarball.is_file():
         raise KilnError(f"{tarball} does not exist")
+    if sha256 is not None:
+        want, got = expected_digest(sha256), file_sha256(tarball)
+        if got != want:
+            raise KilnError(f"{tarball} has sha256 {got}, not the {want} given: it is not the tarball that was "
+                            "exported (or it was damaged on the way); nothing was imported")
     cache_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".import-", dir=cache_dir))
     try:

@@ -24,7 +24,7 @@ from kiln.passes import GraphPass, PassManager
 # The parts of kiln whose source shapes the traced graph or its compilation.
 SOURCE_PARTS = ("kernels", "models", "compiler", "passes", "config.py")
 # ModelConfig fields that do not reach the graph.
-NOT_IN_GRAPH = ("eos_token_ids",)
+NOT_IN_GRAPH = ("eos_token_ids", "dtype")  # the checkpoint dtype; the one run in is a factor of its own
 
 
 @cache

@@ -4,6 +4,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kiln.config import DTYPES
 from kiln.errors import KilnError
 from kiln.models.compressed_tensors import CheckpointQuantization, parse_quantization_config
 
@@ -48,6 +49,17 @@ class ModelConfig:
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     quantization: CheckpointQuantization | None = None  # a pre-quantized (compressed-tensors) checkpoint
+    dtype: str | None = None
+    """The checkpoint's dtype as config.json states it (`torch_dtype`, transformers 5's `dtype`)."""
+
+    def resolve_dtype(self, asked: str) -> str:
+        """The dtype to run in: `asked`, or for "auto" the checkpoint's (float32 when config.json
+        names none or one kiln does not run)."""
+        if asked != "auto":
+            if asked not in DTYPES:
+                raise KilnError(f"unknown dtype {asked!r}; choose auto or one of {', '.join(DTYPES)}")
+            return asked
+        return self.dtype if self.dtype in DTYPES else "float32"
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
@@ -99,6 +111,7 @@ class ModelConfig:
             sliding_window=window,
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
             quantization=parse_quantization_config(hf.get("quantization_config")),
+            dtype=_dtype_name(hf.get("dtype") or hf.get("torch_dtype")),
         )
 
     @classmethod
@@ -117,3 +130,8 @@ class ModelConfig:
         from kiln.models.loader import untie_stored_lm_head  # the loader imports the model, which imports this
 
         return untie_stored_lm_head(config, Path(model_dir))
+
+
+def _dtype_name(value) -> str | None:
+    """config.json's dtype ("bfloat16", or "torch.bfloat16" as some writers put it)."""
+    return value.removeprefix("torch.") if isinstance(value, str) else None

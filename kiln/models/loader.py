@@ -1,6 +1,8 @@
 """Load Hugging Face safetensors checkpoints (single file or sharded with an index) into kiln models.
 
 Every tensor is checked: a missing, unexpected or wrongly shaped tensor is one `KilnError` naming it.
+Tensors are read one at a time, straight into their parameters where dtype and layout allow (else
+through one temporary tensor): loading holds the weights once, not the checkpoint beside them.
 """
 
 import dataclasses
@@ -10,11 +12,11 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from kiln.errors import KilnError
 from kiln.models.config import ModelConfig
 from kiln.models.llama import CausalLM
+from kiln.models.safetensors_file import SafetensorsFile
 from kiln.models.tensor_parallel import Shard
 
 logger = logging.getLogger(__name__)
@@ -38,6 +40,19 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def checkpoint_bytes(model_dir: Path, dtype: torch.dtype) -> int:
+    """Bytes the checkpoint's tensors take once loaded to run in `dtype` (floating-point tensors are
+    cast to it; int8/fp8 weights stay as stored), read from the files' headers alone."""
+    total = 0
+    for path in checkpoint_files(model_dir):
+        with SafetensorsFile(path) as f:
+            for name in f.keys():
+                stored = f.dtype(name)
+                size = dtype.itemsize if stored.is_floating_point and stored.itemsize > 1 else stored.itemsize
+                total += size * f.numel(name)
+    return total
+
+
 def untie_stored_lm_head(config: ModelConfig, model_dir: Path) -> ModelConfig:
     """`config`, untied when it says `tie_word_embeddings` but the checkpoint stores an `lm_head.weight`
     that differs from the embedding: that weight is the output projection, as transformers loads such
@@ -46,14 +61,12 @@ def untie_stored_lm_head(config: ModelConfig, model_dir: Path) -> ModelConfig:
         return config
     found: dict[str, Path] = {}
     for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            found.update({name: path for name in ("lm_head.weight", "model.embed_tokens.weight") if name in f.keys()})
+        with SafetensorsFile(path) as f:
+            found.update({name: path for name in ("lm_head.weight", "model.embed_tokens.weight") if name in f})
     if len(found) < 2:
         return config
-    with safe_open(str(found["lm_head.weight"]), framework="pt") as f:
-        head = f.get_tensor("lm_head.weight")
-    with safe_open(str(found["model.embed_tokens.weight"]), framework="pt") as f:
-        same = torch.equal(head, f.get_tensor("model.embed_tokens.weight"))
+    with SafetensorsFile(found["lm_head.weight"]) as head, SafetensorsFile(found["model.embed_tokens.weight"]) as emb:
+        same = torch.equal(head.tensor("lm_head.weight"), emb.tensor("model.embed_tokens.weight"))
     if same:
         return config
     logger.warning("%s: config.json says tie_word_embeddings, but the checkpoint stores an lm_head.weight of its "
@@ -99,19 +112,21 @@ def _fit(name: str, tensor: torch.Tensor, param: torch.Tensor, rows: int, path: 
     return tensor
 
 
-def _read(f, name: str, shard: Shard | None, rows: int, path: Path) -> torch.Tensor:
-    """Checkpoint tensor `name`, or only this rank's `shard` of it (read from disk alone). Rows
-    the parameter holds beyond the shard (vocabulary padding, a bias only rank 0 adds) are zeros."""
+def _read(f: SafetensorsFile, name: str, shard: Shard | None, rows: int, path: Path) -> torch.Tensor:
+    """Checkpoint tensor `name`, or only this rank's `shard` of it (a shard of rows is all that is read).
+    Rows the parameter holds beyond the shard (vocabulary padding, a bias only rank 0 adds) are zeros."""
     if shard is None:
-        return f.get_tensor(name)
-    full = f.get_slice(name)
-    shape = full.get_shape()
+        return f.tensor(name)
+    shape = f.shape(name)
     if len(shape) <= shard.dim or shape[shard.dim] < shard.start + shard.size:
         raise KilnError(f"tensor {name!r} in {path.name} has shape {shape}, too small for this rank's shard "
                         f"({shard.size} from {shard.start} along dim {shard.dim}): the weights do not match the config")
-    index = [slice(None)] * len(shape)
-    index[shard.dim] = slice(shard.start, shard.start + shard.size)
-    tensor = full[tuple(index)]
+    if shard.dim == 0:
+        tensor = f.tensor(name, rows=(shard.start, shard.size))
+    else:
+        index = [slice(None)] * len(shape)
+        index[shard.dim] = slice(shard.start, shard.start + shard.size)
+        tensor = f.tensor(name)[tuple(index)]
     if shard.dim == 0 and tensor.shape[0] < rows:
         tensor = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
     return tensor
@@ -130,7 +145,7 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
             p.data.zero_()  # a static input scale is the max over the slices that share it
     loaded: set[str] = set()
     for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
+        with SafetensorsFile(path) as f:
             for name in f.keys():
                 if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.config.tie_word_embeddings):
                     continue
@@ -141,12 +156,17 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
                     )
                 pname, offset, rows = targets[name]
                 param = params[pname]
-                tensor = _fit(name, _read(f, name, model.layout.shard(name), rows, path), param, rows, path)
+                loaded.add(name)
+                shard, dest = model.layout.shard(name), param.data[offset : offset + rows]
+                if (shard is None and f.dtype(name) == param.dtype and dest.device.type == "cpu"
+                        and dest.is_contiguous() and f.shape(name) == list(dest.shape) and param.dim() > 1):
+                    f.read_into(name, dest)  # the common case: no copy at all
+                    continue
+                tensor = _fit(name, _read(f, name, shard, rows, path), param, rows, path)
                 if name.endswith(".input_scale"):
                     torch.maximum(param.data, tensor.to(param.device, param.dtype), out=param.data)
                 else:
-                    param.data[offset : offset + rows].copy_(tensor)
-                loaded.add(name)
+                    dest.copy_(tensor)
     missing = [name for name in targets if name not in loaded]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

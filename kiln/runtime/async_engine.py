@@ -42,18 +42,36 @@ class StepFailed(Exception):
     engine goes on with the others."""
 
 
+class Overloaded(Exception):
+    """More requests wait than the server admits (`max_queued`): answered 503 with Retry-After."""
+
+
+class RequestTimedOut(Exception):
+    """The request ran past the server's request timeout and was aborted (answered 408)."""
+
+
 class RequestStream:
     """One request's outputs, in order, ending with the finished one. Leaving the iteration early
-    (a client that went away) aborts the request and frees its KV blocks."""
+    (a client that went away, or the request's deadline passing) aborts the request and frees its
+    KV blocks."""
 
-    def __init__(self, engine: "AsyncEngine", request_id: str, outputs: asyncio.Queue):
+    def __init__(self, engine: "AsyncEngine", request_id: str, outputs: asyncio.Queue, deadline: float | None = None):
         self.request_id, self._engine, self._outputs = request_id, engine, outputs
+        self.deadline = deadline
+        """`time.monotonic()` past which the request is aborted with `RequestTimedOut`."""
         self.finished = False
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         try:
             while not self.finished:
-                out = await self._outputs.get()
+                if self.deadline is None:
+                    out = await self._outputs.get()
+                else:
+                    try:
+                        out = await asyncio.wait_for(self._outputs.get(), self.deadline - time.monotonic())
+                    except TimeoutError:
+                        raise RequestTimedOut(f"the request ran past the server's request timeout of "
+                                              f"{self._engine.request_timeout:g} s and was stopped") from None
                 if isinstance(out, BaseException):
                     raise out
                 self.finished = out.finished
@@ -69,8 +87,12 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine: Engine, metrics: Metrics | None = None, feed: StepFeed | None = None,
-                 model_name: str = "kiln"):
+                 model_name: str = "kiln", max_queued: int | None = None, request_timeout: float | None = None):
         self.engine = engine
+        self.capacity = None if max_queued is None else engine.config.max_num_seqs + max_queued
+        """Sequences admitted and unfinished at most (running + `max_queued` waiting); None: no limit."""
+        self.request_timeout = request_timeout
+        """Seconds a request may take from its arrival; None: no limit."""
         self.metrics = metrics or Metrics(model_name, engine.config.block_size, engine.scheduler.allocator.num_blocks)
         self.feed = feed
         """Under tensor parallelism: where the requests each step starts with go to the other ranks."""
@@ -102,17 +124,31 @@ class AsyncEngine:
         """Requests added and not yet finished or aborted."""
         return len(self._streams)
 
+    def admit(self, count: int) -> None:
+        """Check that `count` more sequences fit under the capacity, from the event loop before adding
+        them: `Overloaded` if not now, KilnError if never."""
+        if self.capacity is None:
+            return
+        if count > self.capacity:
+            raise KilnError(f"the request asks for {count} sequences; this server admits at most {self.capacity} "
+                            "at once (max-num-seqs + max-queued-requests): ask for fewer")
+        if self.num_requests + count > self.capacity:
+            raise Overloaded(f"the server is at capacity ({self.num_requests} sequences running or queued, at most "
+                             f"{self.capacity}): retry later")
+
     def add(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> RequestStream:
         """Queue a request from the event loop; bad input raises KilnError here, before anything runs."""
         self.engine.validate(prompt_token_ids, params)
         if not self.healthy:
             raise EngineUnavailable(f"the engine is not running ({self.error or 'shut down'})")
+        self.admit(1)
         request_id = uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), len(prompt_token_ids))
         self._streams[request_id] = stream
         self._inbox.put(("add", request_id, list(prompt_token_ids), params, prompt))
         self._wake.set()
-        return RequestStream(self, request_id, stream.outputs)
+        deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
+        return RequestStream(self, request_id, stream.outputs, deadline)
 
     def abort(self, request_id: str) -> None:
         """Stop an unfinished request (its client left); counted as finish reason "abort"."""

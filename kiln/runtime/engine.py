@@ -13,6 +13,7 @@ from kiln.config import EngineConfig
 from kiln.errors import KilnError
 from kiln.models.llama import CausalLM
 from kiln.runtime.kv_cache import allocate_kv_caches, num_kv_blocks
+from kiln.runtime.memory import GiB, activation_bytes, available_bytes
 from kiln.runtime.runner import ForwardFn, ModelRunner
 from kiln.runtime.penalties import adjust_logits
 from kiln.runtime.sampler import SamplingParams, sample, token_logprobs
@@ -68,16 +69,28 @@ class Engine:
             )
         dtype, device = model.dtype, model.cos_sin_cache.device
         kv_heads = model.layout.num_kv_heads  # this rank's share under tensor parallelism
-        num_blocks = num_kv_blocks(
-            cfg, config.block_size, dtype, config.kv_cache_memory_bytes, config.max_num_seqs * self.max_model_len,
-            kv_heads,
-        )
-        if num_blocks * config.block_size < self.max_model_len:
-            raise KilnError(
-                f"the KV cache holds {num_blocks * config.block_size} tokens, less than max_model_len "
-                f"{self.max_model_len}: raise kv_cache_memory_bytes (--kv-cache-memory) or lower max_model_len "
-                "(--max-model-len)"
-            )
+        kv_memory = config.kv_cache_memory_bytes
+        if kv_memory is None:
+            available = available_bytes(device) // (model.layout.world_size if device.type == "cpu" else 1)
+            kv_memory = int(available * config.memory_utilization) - activation_bytes(
+                cfg, config.max_num_batched_tokens, config.max_num_seqs)
+            logger.info("KV cache budget: %.2f GiB (memory utilization %g of %.2f GiB available, less activations)",
+                        max(kv_memory, 0) / GiB, config.memory_utilization, available / GiB)
+        num_blocks = num_kv_blocks(cfg, config.block_size, dtype, max(kv_memory, 0),
+                                   config.max_num_seqs * self.max_model_len, kv_heads)
+        if model.layout.world_size > 1:  # rank 0 schedules for all: every rank needs as many blocks
+            num_blocks = _min_over_ranks(num_blocks, device)
+        holds = num_blocks * config.block_size
+        if holds < self.max_model_len:
+            if config.max_model_len is not None or holds < 2:
+                raise KilnError(
+                    f"the KV cache holds {holds} tokens, less than max_model_len {self.max_model_len}: give it more "
+                    "memory (--kv-cache-memory, --memory-utilization) or lower max_model_len (--max-model-len)"
+                )
+            logger.warning("max_model_len capped to %d tokens, what the KV cache holds (the model allows %d): give "
+                           "the cache more memory with --kv-cache-memory or --memory-utilization for longer requests",
+                           holds, self.max_model_len)
+            self.max_model_len = holds
         kv_caches = allocate_kv_caches(cfg, num_blocks, config.block_size, dtype, device, kv_heads)
         if forward is not None and hasattr(forward, "capture_graphs"):  # a compiled program: pad, and graph on CUDA
             forward.capture_graphs(config.cudagraph_sizes, kv_caches, config.block_size,
@@ -174,7 +187,8 @@ class Engine:
         params = [s.params for s in sampling]
         adjusted = adjust_logits(logits, params, [s.prompt_token_ids for s in sampling],
                                  [s.output_token_ids for s in sampling], self.eos_token_ids)
-        if guided:  # on CPU the forward keeps every core busy: a thread beside it measured slower (1.32x vs 1.22x)
+        if guided:  # on CPU the forward keeps every core busy: masks computed beside it, or prefetched on a
+            # thread between steps, measured slower than here (benchmarks/structured_output.py)
             adjusted = logits.clone() if adjusted is logits else adjusted
             bitmask = masks.result() if masks is not None else fill_masks(matchers, self.model_config.vocab_size)
             apply_masks(adjusted, guided, bitmask)
@@ -252,3 +266,13 @@ class Engine:
             prompt_top_logprobs=list(seq.prompt_top_logprobs) if seq.params.prompt_logprobs else None,
             prompt_ranks=list(seq.prompt_ranks) if seq.params.prompt_logprobs is not None else None,
         )
+
+
+def _min_over_ranks(n: int, device: torch.device) -> int:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():  # a sharded model built without its group (tests): nothing to agree with
+        return n
+    value = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return int(value.item())

@@ -7,6 +7,7 @@ its requests.
 
 import asyncio
 import contextlib
+import hmac
 import itertools
 import json
 import logging
@@ -17,12 +18,15 @@ from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException
 
+from kiln.config import ServerConfig
 from kiln.errors import KilnError
-from kiln.runtime.async_engine import AsyncEngine, EngineUnavailable, RequestStream, StepFailed
+from kiln.runtime.async_engine import (AsyncEngine, EngineUnavailable, Overloaded, RequestStream, RequestTimedOut,
+                                       StepFailed)
 from kiln.runtime.engine import RequestOutput
 from kiln.runtime.lockstep import StepFeed
 from kiln.runtime.metrics import CONTENT_TYPE
@@ -230,17 +234,20 @@ class ErrorResponse(BaseModel):
 
 def _errors(*statuses: int) -> dict:
     """OpenAPI entries for the error statuses a route answers with (the schema lists exactly these)."""
-    said = {400: "invalid request: the message names the field or the problem", 404: "unknown model",
+    said = {400: "invalid request: the message names the field or the problem",
+            401: "no API key, or a wrong one (`Authorization: Bearer KEY`)", 404: "unknown model",
             405: "method not allowed (the Allow header lists the allowed ones)",
+            408: "the request ran past the server's request timeout and was stopped",
             499: "the client closed the connection before the answer (nobody reads this one)",
-            500: "a failure inside the server", 503: "the engine is not running"}
+            500: "a failure inside the server",
+            503: "the engine is not running, or the server is at capacity (then Retry-After says when to retry)"}
     return {s: {"model": ErrorResponse, "description": said[s]} for s in statuses}
 
 
 GENERATION_RESPONSES = {
     200: {"description": "the completion; with stream, server-sent events ending in `data: [DONE]`",
           "content": {"application/json": {}, "text/event-stream": {}}},
-    **_errors(400, 404, 405, 499, 500, 503),
+    **_errors(400, 404, 405, 408, 499, 500, 503),
 }
 
 def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -268,6 +275,28 @@ class ServerError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
         super().__init__(message)
         self.status, self.kind, self.code = status, kind, code
+
+
+class ApiKeyMiddleware:
+    """Answers 401 in OpenAI's shape to a request without `Authorization: Bearer <key>`, before its
+    body is read; `exempt` paths pass (probes, scrapers). Pure ASGI: streaming and disconnects pass
+    through untouched."""
+
+    def __init__(self, app, key: str, exempt: tuple[str, ...] = ()):
+        self.app, self._key, self._exempt = app, key.encode(), set(exempt)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in self._exempt:
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key):
+            return await self.app(scope, receive, send)
+        message = ("the API key is not valid" if given else
+                   "no API key: send `Authorization: Bearer <key>` (this server requires one)")
+        response = error(401, message, code="invalid_api_key")
+        response.headers["WWW-Authenticate"] = "Bearer"
+        await response(scope, receive, send)
 
 
 # -- the app -----------------------------------------------------------------------------------------
@@ -300,9 +329,10 @@ class Server:
               ) -> list[RequestStream]:
         """`count` (default n) engine requests per prompt (prompt-major), all validated before any runs."""
         streams: list[RequestStream] = []
+        limits = [self.max_tokens(len(ids), max_tokens) for ids, _ in prompts]
+        self.engine.admit(len(prompts) * (count or request.n))
         try:
-            for ids, text in prompts:
-                limit = self.max_tokens(len(ids), max_tokens)
+            for (ids, text), limit in zip(prompts, limits):
                 for i in range(count or request.n):
                     params = request.sampling_params(limit, logprobs, i, prompt_logprobs)
                     streams.append(self.engine.add(ids, params, text))
@@ -354,7 +384,10 @@ def _sse(payload: dict) -> str:
 
 
 def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_model_len: int,
-               on_ready: Callable[[], None] | None = None) -> FastAPI:
+               on_ready: Callable[[], None] | None = None, config: ServerConfig | None = None) -> FastAPI:
+    """The app over a started `engine`. `config` brings the API key and CORS origins (its queue
+    limit and timeout are the engine's: `AsyncEngine(max_queued=, request_timeout=)`)."""
+    config = config or ServerConfig()
     server = Server(engine, tokenizer, model_name, max_model_len)
 
     @contextlib.asynccontextmanager
@@ -366,6 +399,11 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_m
     app = FastAPI(title="kiln", summary="OpenAI-compatible completions over compiled kiln artifacts",
                   lifespan=lifespan)
     app.state.server = server
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, key=config.api_key, exempt=config.auth_exempt)
+    if config.allowed_origins:  # outermost: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -394,6 +432,16 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_m
     @app.exception_handler(EngineUnavailable)
     async def _unavailable(request: Request, exc: EngineUnavailable) -> JSONResponse:
         return error(503, str(exc), "server_error")
+
+    @app.exception_handler(Overloaded)
+    async def _overloaded(request: Request, exc: Overloaded) -> JSONResponse:
+        response = error(503, str(exc), "server_error", code="overloaded")
+        response.headers["Retry-After"] = "1"
+        return response
+
+    @app.exception_handler(RequestTimedOut)
+    async def _timed_out(request: Request, exc: RequestTimedOut) -> JSONResponse:
+        return error(408, str(exc), "timeout_error")
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:  # never expected: logged with its trace
@@ -538,6 +586,16 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_m
                     operation["responses"].pop("422", None)
             schema["components"]["schemas"].pop("HTTPValidationError", None)
             schema["components"]["schemas"].pop("ValidationError", None)
+            if config.api_key is not None:
+                schema["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+                for path, operations in schema["paths"].items():
+                    if path in config.auth_exempt:
+                        continue
+                    for operation in operations.values():
+                        operation["security"] = [{"apiKey": []}]
+                        operation["responses"].update({"401": {
+                            "description": _errors(401)[401]["description"],
+                            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}})
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -564,8 +622,9 @@ def _event_stream(streams: list[RequestStream], head: dict, choice: Callable[[in
                     completion_tokens += len(out.token_ids)
                 if len(out.text) > chars or out.finished:
                     yield _sse({**head, "choices": [choice(index, out, chars, toks)]})
-        except (StepFailed, EngineUnavailable) as e:  # the status is sent already: an error event, as vLLM
-            yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        except (StepFailed, EngineUnavailable, RequestTimedOut) as e:  # the status is sent: an error event, as vLLM
+            kind = "timeout_error" if isinstance(e, RequestTimedOut) else "server_error"
+            yield _sse({"error": {"message": str(e), "type": kind, "param": None, "code": None}})
             yield "data: [DONE]\n\n"
             return
         if options and options.include_usage:
@@ -646,19 +705,23 @@ def warm_up(llm) -> None:
     logger.info("warm-up step (request %s) in %.2fs", warm, time.perf_counter() - start)
 
 
-def serve(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
+def serve(llm, config: ServerConfig | None = None, model_name: str | None = None,
           feed: StepFeed | None = None) -> None:
     """Serve `llm` (a loaded `kiln.LLM`) until interrupted: warm up, start the engine thread, listen.
     Under tensor parallelism this is rank 0, and `feed` carries each step's requests to the others."""
     import uvicorn
 
+    config = config or ServerConfig()
     warm_up(llm)
     name = model_name or llm.model_dir.name
-    engine = AsyncEngine(llm.engine, feed=feed, model_name=name)
+    engine = AsyncEngine(llm.engine, feed=feed, model_name=name, max_queued=config.max_queued_requests,
+                         request_timeout=config.request_timeout)
     engine.start()
-    app = create_app(engine, llm.tokenizer, name, llm.engine.max_model_len,
-                     on_ready=lambda: logger.info("ready: http://%s:%d serves %s", host, port, name))
+    url = f"{config.scheme}://{config.host}:{config.port}"
+    app = create_app(engine, llm.tokenizer, name, llm.engine.max_model_len, config=config,
+                     on_ready=lambda: logger.info("ready: %s serves %s", url, name))
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        uvicorn.run(app, host=config.host, port=config.port, log_level="warning", ssl_keyfile=config.ssl_keyfile,
+                    ssl_certfile=config.ssl_certfile, ssl_ciphers=config.ssl_ciphers)
     finally:
         engine.shutdown()

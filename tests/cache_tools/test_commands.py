@@ -1,5 +1,6 @@
 """`kiln cache`: every subcommand on real artifacts (copies of the session's compiled demo llama)."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -264,9 +265,62 @@ def test_import_refuses_damaged_and_foreign_tarballs(cache, llama_artifact, tmp_
     with tarfile.open(foreign, "w:gz") as tar:
         tar.add(cache / llama_artifact.name / artifact.MANIFEST, arcname="../etc/manifest.json")
     status, out = kiln_cache_cmd(capsys, "import", foreign, "--cache-dir", fresh)
+    assert status == 1 and "../etc/manifest.json, a path outside its artifact directory" in out
+    two = tmp_path / "two.tar.gz"
+    with tarfile.open(two, "w:gz") as tar:
+        tar.add(cache / llama_artifact.name / artifact.MANIFEST, arcname="other/manifest.json")
+    status, out = kiln_cache_cmd(capsys, "import", two, "--cache-dir", fresh)
     assert status == 1 and "is not a kiln artifact export" in out
     status, out = kiln_cache_cmd(capsys, "import", tmp_path / "nothing.tar.gz", "--cache-dir", fresh)
     assert status == 1 and "does not exist" in out
+
+
+def test_import_refuses_links_and_paths_leading_out(cache, llama_artifact, tmp_path, capsys):
+    key, manifest = llama_artifact.name, cache / llama_artifact.name / artifact.MANIFEST
+    fresh = tmp_path / "fresh"
+
+    def tarball(name: str, add) -> Path:
+        path = tmp_path / f"{name}.tar.gz"
+        with tarfile.open(path, "w:gz") as tar:
+            tar.add(cache / key, arcname=key)
+            add(tar)
+        return path
+
+    def link(kind: bytes, name: str, target: str):
+        def add(tar):
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = kind, target
+            tar.addfile(info)
+        return add
+
+    cases = {
+        "climbs out": (tarball("climb", lambda tar: tar.add(manifest, arcname=f"{key}/../evil.py")),
+                       f"holds {key}/../evil.py, a path outside its artifact directory"),
+        "symlink": (tarball("sym", link(tarfile.SYMTYPE, f"{key}/programs/x.py", "/etc/passwd")),
+                    f"holds a link, {key}/programs/x.py -> /etc/passwd"),
+        "hard link": (tarball("hard", link(tarfile.LNKTYPE, f"{key}/y", f"{key}/manifest.json")), "holds a link"),
+    }
+    for name, (path, message) in cases.items():
+        status, out = kiln_cache_cmd(capsys, "import", path, "--cache-dir", fresh)
+        assert status == 1 and message in out, name
+        assert not (tmp_path / "evil.py").exists() and not (fresh / "evil.py").exists()
+        assert not [p for p in fresh.iterdir() if not p.name.startswith(".")]
+
+
+def test_export_writes_a_detached_sha256_that_import_checks(cache, llama_artifact, tmp_path, capsys):
+    tarball = tmp_path / "llama.tar.gz"
+    got = as_json(capsys, "export", llama_artifact.name, "-o", tarball, "--sha256", "--cache-dir", cache)
+    digest_file = Path(got["sha256_file"])
+    hexdigest = hashlib.sha256(tarball.read_bytes()).hexdigest()
+    assert digest_file == Path(f"{tarball}.sha256") and digest_file.read_text() == f"{hexdigest}  llama.tar.gz\n"
+    fresh = tmp_path / "fresh"
+    wrong = "0" * 64
+    status, out = kiln_cache_cmd(capsys, "import", tarball, "--sha256", wrong, "--cache-dir", fresh)
+    assert status == 1 and f"not the {wrong} given" in out and not (fresh / llama_artifact.name).exists()
+    status, out = kiln_cache_cmd(capsys, "import", tarball, "--sha256", "nonsense", "--cache-dir", fresh)
+    assert status == 1 and "64 hex digits" in out
+    assert as_json(capsys, "import", tarball, "--sha256", digest_file, "--cache-dir", fresh)["new"] is True
+    assert as_json(capsys, "import", tarball, "--sha256", hexdigest.upper(), "--cache-dir", fresh)["new"] is False
 
 
 def test_dump_writes_readable_code(cache, llama_artifact, tmp_path, capsys):

@@ -4,20 +4,18 @@
 import asyncio
 import json
 import re
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from kiln import LLM, SamplingParams
 from kiln.models.demo import paragraph_openings
 from kiln.runtime.async_engine import AsyncEngine
 from kiln.runtime.server import create_app
 from tests.oracle import PROMPTS
+from tests.runtime.live import live_server
 
 MODEL = "demo-llama"
 MAX_MODEL_LEN = 256
@@ -29,19 +27,11 @@ def served(demo_dirs, kiln_cache):
     llm = LLM(demo_dirs["llama"], compile=True, cache_dir=kiln_cache, max_model_len=MAX_MODEL_LEN, max_num_seqs=64)
     engine = AsyncEngine(llm.engine, model_name=MODEL)
     engine.start()
-    app = create_app(engine, llm.tokenizer, MODEL, MAX_MODEL_LEN)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    server.should_exit = True
-    thread.join(timeout=10)
-    engine.shutdown()
+    try:
+        with live_server(create_app(engine, llm.tokenizer, MODEL, MAX_MODEL_LEN)) as url:
+            yield url, engine
+    finally:
+        engine.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,87 @@
+"""How much memory a model needs and the machine has: the check before loading (fail with the
+numbers and the options that would fit, not an OOM kill) and the KV cache sized from what is left."""
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln.errors import KilnError
+from kiln.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory this process can still take: free GPU memory, or on the CPU the kernel's MemAvailable
+    (reclaimable page cache counts) bounded by the cgroup's limit when there is one."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if available is None:  # not Linux
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max":
+            available = min(available, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return max(available, 0)
+
+
+def activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """A generous bound on what one step allocates besides weights and KV cache: the widest hidden
+    states of a full token budget (fp32) and the logits of every running sequence, twice over."""
+    width = 4 * cfg.hidden_size + 3 * cfg.intermediate_size + cfg.num_heads * cfg.head_dim
+    return 2 * 4 * (max_num_batched_tokens * width + max_num_seqs * cfg.vocab_size)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+    return 2 * (num_kv_heads or cfg.num_kv_heads) * cfg.head_dim * dtype.itemsize * cfg.num_layers
+
+
+def _size(n: float) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.0f} MiB"
+
+
+@dataclass
+class MemoryPlan:
+    """What a model will take, checked against what the machine has before anything is loaded."""
+
+    weights: int
+    """Bytes of this rank's weights in the dtype they run in."""
+    activations: int
+    kv_min: int
+    """The smallest KV cache worth starting with (one step's token budget), or the one asked for."""
+    available: int
+    utilization: float
+    """The share of the memory left after the weights that the KV cache and activations may take."""
+
+    @property
+    def fits(self) -> bool:
+        return self.weights + (self.activations + self.kv_min) / self.utilization <= self.available
+
+    def kv_budget(self, available_after_load: int) -> int:
+        """The KV cache's bytes, from the memory left once the weights are in."""
+        return max(int(available_after_load * self.utilization) - self.activations, 0)
+
+    def check(self, dtype_name: str, kv_given: bool, suggestions: list[str]) -> None:
+        if self.fits:
+            return
+        kv = "the KV cache asked for" if kv_given else "a minimal KV cache"
+        raise KilnError(
+            f"the model does not fit: {_size(self.weights)} of weights in {dtype_name} + {_size(self.kv_min)} "
+            f"for {kv} + {_size(self.activations)} for activations, at memory utilization {self.utilization:g}, "
+            f"but {_size(self.available)} is available. Options: " + "; ".join(suggestions)
+        )
