@@ -6,6 +6,7 @@ import logging
 import sys
 from pathlib import Path
 
+from kiln.argtypes import at_least, fraction, positive
 from kiln.errors import KilnError
 
 DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
@@ -19,36 +20,6 @@ def _sizes(text: str) -> tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated token counts like 1,2,4,8, got {text!r}") from None
     return sizes  # CompileConfig checks the range
-
-
-def _at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = _positive_float(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
 
 
 def _compile_config(args: argparse.Namespace):
@@ -165,6 +136,7 @@ def _llm(args: argparse.Namespace, compile: bool, **options):
         threads=args.threads,
         lm_head_quantization=args.lm_head_quantization,
         kv_cache_memory_bytes=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
         memory_utilization=args.memory_utilization,
         **options,
     )
@@ -249,7 +221,7 @@ def _add_compile_options(parser: argparse.ArgumentParser, cache_dir: bool = True
                         "the compiled pieces serve (default 2048)")
     parser.add_argument("--quantization", choices=["int8", "fp8"], help="W8A8: weights per channel, "
                         "activations per token (default: none)")
-    parser.add_argument("--tensor-parallel-size", type=_at_least(1), default=1, metavar="N", help="split the model "
+    parser.add_argument("--tensor-parallel-size", type=at_least(1), default=1, metavar="N", help="split the model "
                         "over N ranks (gloo on CPU, NCCL on CUDA). compile builds the one artifact all N ranks load; "
                         "generate and serve start the ranks under torchrun unless already run by it (default 1)")
     parser.add_argument("--sizes", type=_sizes, default=(), metavar="N,N,...", help="token counts that also get "
@@ -264,13 +236,16 @@ def _add_compile_options(parser: argparse.ArgumentParser, cache_dir: bool = True
 
 
 def _add_threads_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--threads", type=_at_least(1), metavar="N", help="CPU threads for the kernels (and, when "
+    parser.add_argument("--threads", type=at_least(1), metavar="N", help="CPU threads for the kernels (and, when "
                         "compiling, for timing the kernel choices): default the machine's physical cores")
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     from kiln.cache_tools.units import parse_size
     from kiln.config import EngineConfig
+
+    parser.add_argument("--max-model-len", type=at_least(2), metavar="N", help="prompt + generated tokens per "
+                        "request (default: the model's max_position_embeddings, capped to what the KV cache holds)")
 
     parser.add_argument("--lm-head-quantization", choices=["int8"], help="run the LM head on int8 weights (per "
                         "channel) and activations (per token): a quarter of fp32's bytes, for large vocabularies; "
@@ -279,7 +254,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", type=_units(parse_size), metavar="SIZE", help="memory for the paged "
                         "KV cache, e.g. 8G (default: --memory-utilization of the memory left after the weights); "
                         "it never exceeds max-num-seqs full sequences")
-    parser.add_argument("--memory-utilization", type=_fraction, default=EngineConfig.memory_utilization,
+    parser.add_argument("--memory-utilization", type=fraction, default=EngineConfig.memory_utilization,
                         metavar="F", help="share of the memory available after loading the weights that the KV "
                         f"cache and activations may take (default {EngineConfig.memory_utilization})")
     parser.add_argument("--cudagraph-sizes", type=_sizes, default=None, metavar="N,N,...", help="token counts to "
@@ -295,7 +270,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     config = _server_config(args)
     _as_ranks(args)
     llm = _llm(args, args.artifact != "eager", artifact=None if args.artifact in ("auto", "eager") else args.artifact,
-               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+               max_num_seqs=args.max_num_seqs,
                enable_prefix_caching=args.enable_prefix_caching)
     feed = None
     if llm.parallel.world_size > 1:  # rank 0 serves; the others step with it
@@ -502,19 +477,17 @@ def build_parser() -> argparse.ArgumentParser:
                      "instead of compiling")
     srv.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: the "
                      "model directory's name)")
-    srv.add_argument("--max-model-len", type=_at_least(2), metavar="N", help="prompt + generated tokens per "
-                     "request (default: the model's max_position_embeddings)")
-    srv.add_argument("--max-num-seqs", type=_at_least(1), default=64, metavar="N", help="requests running at "
+    srv.add_argument("--max-num-seqs", type=at_least(1), default=64, metavar="N", help="requests running at "
                      "once; more wait (default 64)")
     srv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                      help="reuse the KV blocks of prompt prefixes seen before (default on)")
     srv.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights and "
                      "activations dtype (default auto: the checkpoint's, config.json's torch_dtype)")
     limits = srv.add_argument_group("limits")
-    limits.add_argument("--max-queued-requests", type=_at_least(0), default=ServerConfig.max_queued_requests,
+    limits.add_argument("--max-queued-requests", type=at_least(0), default=ServerConfig.max_queued_requests,
                         metavar="N", help="sequences waiting beyond the max-num-seqs running; past it a request is "
                         f"answered 503 with Retry-After (default {ServerConfig.max_queued_requests})")
-    limits.add_argument("--request-timeout", type=_positive_float, metavar="SECONDS", help="abort a request this "
+    limits.add_argument("--request-timeout", type=positive, metavar="SECONDS", help="abort a request this "
                         "long after it arrived, queueing included, and answer 408 (default: no limit)")
     security = srv.add_argument_group("security")
     security.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on every request "
@@ -538,9 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "--train-steps 0 keeps the random weights).")
     demo.add_argument("out_dir", metavar="OUT_DIR")
     demo.add_argument("--arch", default="llama", choices=DEMO_ARCHS, help="architecture (default llama)")
-    demo.add_argument("--num-layers", type=_at_least(1), default=4, metavar="N", help="decoder layers (default 4)")
+    demo.add_argument("--num-layers", type=at_least(1), default=4, metavar="N", help="decoder layers (default 4)")
     demo.add_argument("--seed", type=int, default=0, help="weight init and training seed (default 0)")
-    demo.add_argument("--train-steps", type=_at_least(0), default=TRAIN_STEPS, metavar="N",
+    demo.add_argument("--train-steps", type=at_least(0), default=TRAIN_STEPS, metavar="N",
                       help=f"training steps on the shipped text (default {TRAIN_STEPS}; 0: random weights)")
     demo.set_defaults(func=_cmd_demo_model)
     _add_cache_parser(sub)

@@ -68,9 +68,13 @@ def test_a_device_it_cannot_use_is_one_line(demo_dirs, device, message):
 
 
 def test_a_kv_cache_too_small_for_one_sequence_names_the_options(demo_dirs):
-    proc = kiln("generate", demo_dirs["llama"], "--prompt", "x", "--kv-cache-memory", "64K", check=False)
+    proc = kiln("generate", demo_dirs["llama"], "--prompt", "x", "--kv-cache-memory", "64K", "--max-model-len", "64",
+                check=False)
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1
-    assert "the KV cache holds 32 tokens" in proc.stderr and "(--kv-cache-memory)" in proc.stderr
+    assert "the KV cache holds 32 tokens, less than max_model_len 64" in proc.stderr
+    assert "(--kv-cache-memory, --memory-utilization)" in proc.stderr and "(--max-model-len)" in proc.stderr
+    capped = kiln("generate", demo_dirs["llama"], "--prompt", "x", "--kv-cache-memory", "64K", "--max-tokens", "8")
+    assert "max_model_len capped to 32 tokens" in capped.stderr and capped.stdout.strip()
 
 
 def test_help_lists_commands():

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kiln.argtypes import at_least, positive
 from kiln.errors import KilnError
 
 logger = logging.getLogger(__name__)
@@ -323,40 +324,20 @@ def write_chart(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number like 1.5, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `kiln bench startup`, on the parser the CLI gives it."""
     parser.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model directory (config.json, "
                         "*.safetensors, tokenizer.json)")
-    parser.add_argument("--repeats", type=_at_least_one, default=3, metavar="N", help="fresh processes per mode "
+    parser.add_argument("--repeats", type=at_least(1), default=3, metavar="N", help="fresh processes per mode "
                         "(default 3); the median counts, min and max show the spread")
-    parser.add_argument("--cold-repeats", type=_at_least_one, metavar="N", help="cold compiles (default: "
+    parser.add_argument("--cold-repeats", type=at_least(1), metavar="N", help="cold compiles (default: "
                         "--repeats); they take the longest and no check reads their time")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and "
                         "activations dtype (default float32)")
     parser.add_argument("--out", metavar="FILE.json", help="also write the JSON result here")
     parser.add_argument("--chart", metavar="FILE.png", help="also draw a bar chart of the medians here (needs "
                         "matplotlib)")
-    parser.add_argument("--max-artifact-ratio", type=_positive, metavar="R", help="exit 1 if the median artifact "
+    parser.add_argument("--max-artifact-ratio", type=positive, metavar="R", help="exit 1 if the median artifact "
                         "first token exceeds R times the median eager one (CI: 1.5); the counter checks (cold "
                         "compile compiles, warm compile and artifact load compile nothing) always apply")
 

@@ -5,7 +5,6 @@ An artifact is code: serving it executes its `programs/*.py` and loads its share
 only tarballs you trust; `export --sha256` writes a detached digest and `import --sha256` checks it,
 so a tarball that crossed machines is the one that was exported."""
 
-import hashlib
 import os
 import re
 import shutil
@@ -16,15 +15,8 @@ from pathlib import Path, PurePosixPath
 from kiln.cache_tools.entries import KEY, Entry, read_entry
 from kiln.cache_tools.verify import verify_entry
 from kiln.compiler import artifact, usage
+from kiln.compiler.artifact import file_sha256
 from kiln.errors import KilnError
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def write_digest(tarball: Path) -> Path:

@@ -60,7 +60,7 @@ class ArtifactMissing(ArtifactError):
     """No artifact under this key yet (the common, unalarming case)."""
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -75,7 +75,7 @@ def _torch_build() -> str:
 
 def _entry(path: Path) -> dict:
     """How the manifest pins a file: its sha256 and size (a size mismatch reads as truncation)."""
-    return {"sha256": _sha256(path), "bytes": path.stat().st_size}
+    return {"sha256": file_sha256(path), "bytes": path.stat().st_size}
 
 
 def _blob_entries(manifest: dict) -> list[dict]:
@@ -253,7 +253,7 @@ def _file_problem(path: Path, entry: dict, what: str) -> str | None:
     size = path.stat().st_size
     if size != entry["bytes"]:
         return f"artifact {what} {path} is truncated or altered ({size} bytes, expected {entry['bytes']})"
-    if _sha256(path) != entry["sha256"]:
+    if file_sha256(path) != entry["sha256"]:
         return f"artifact {what} {path} is corrupt (sha256 mismatch)"
     return None
 

@@ -19,7 +19,11 @@ def test_onednn_linear_matches_linear(dtype, bias, rows):
     torch.manual_seed(0)
     w, x = torch.randn(96, 80).to(dtype), torch.randn(rows, 80).to(dtype)
     b = torch.randn(96).to(dtype) if bias else None
-    packed = packed_linear.pack("onednn", w)
+    try:
+        packed = packed_linear.pack("onednn", w)
+    except RuntimeError as e:  # gemm_choice rejects the format then ("packing failed"), keeping aten's GEMM
+        assert dtype == torch.bfloat16 and "bf16 path needs the cpu support" in str(e)
+        pytest.skip(f"oneDNN packs no bf16 weights on this CPU: {e}")
     assert packed_linear.is_packed(packed) and packed.shape == w.shape and packed.dtype == dtype
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())
     tol = 1e-5 if dtype == torch.float32 else 3e-2

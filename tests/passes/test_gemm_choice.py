@@ -93,8 +93,9 @@ def test_quantized_projections_move_to_packed_weights(quantized_llms, traced_gra
     expected = "onednn_int8" if scheme.startswith("int8") else "onednn_fp8_as_fp32"
     assert {c.kind for c in choices} == {scheme.split("-")[0]} and set(formats.values()) == {expected}
     # int8: the same int32 sums and scale products as scaled_mm. fp8: oneDNN sums the fp32 products in
-    # another order than torch's GEMM, and a requantized activation can round the other way: 1e-4
-    atol = 1e-5 if scheme.startswith("int8") else 1e-4
+    # another order than torch's GEMM, and a requantized activation can round the other way (one fp8
+    # step is 1/16 of a value): up to 8e-4 measured on an AVX2 EPYC, 1e-4 on an AVX512 one
+    atol = 1e-5 if scheme.startswith("int8") else 2e-3
     assert_same_outputs(llm, traced, traced_graphs[scheme], _weight_names(traced, formats), atol)
 
 
