@@ -12,9 +12,6 @@ before the flood and at its peak (VmHWM).
 import argparse
 import asyncio
 import collections
-import json
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,20 +21,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import emit, machine  # noqa: E402  (benchmarks/ is the script's dir)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _memory(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
+from harness import emit, machine, process_memory, start_server  # noqa: E402  (benchmarks/ is the script's dir)
 
 
 async def _flood(url: str, count: int, prompt: list[int]) -> collections.Counter:
@@ -54,27 +38,17 @@ async def _flood(url: str, count: int, prompt: list[int]) -> collections.Counter
 
 
 def run(model_dir: Path, max_num_seqs: int, max_queued: int, count: int) -> dict:
-    port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "kiln", "serve", str(model_dir), "--artifact", "eager",
-                               "--port", str(port), "--served-model-name", "m", "--max-num-seqs", str(max_num_seqs),
-                               "--max-queued-requests", str(max_queued), "--max-model-len", "1024"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    server, url, _ = start_server(model_dir, None, "--artifact", "eager", "--served-model-name", "m",
+                                  "--max-num-seqs", str(max_num_seqs), "--max-queued-requests", str(max_queued),
+                                  "--max-model-len", "1024")
     try:
-        while True:
-            assert server.poll() is None, "the server exited"
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        before = _memory(server.pid, "VmRSS")
+        before = process_memory(server.pid, "VmRSS")
         start = time.perf_counter()
         statuses = asyncio.run(_flood(url, count, [10 + i % 400 for i in range(512)]))
         return {"max_num_seqs": max_num_seqs, "max_queued_requests": max_queued, "sent": count,
                 "completed": statuses.pop("200", 0), "refused_503": statuses.pop("503", 0), "other": dict(statuses),
                 "seconds": round(time.perf_counter() - start, 1), "rss_before_mb": round(before / 2**20),
-                "rss_peak_mb": round(_memory(server.pid, "VmHWM") / 2**20)}
+                "rss_peak_mb": round(process_memory(server.pid, "VmHWM") / 2**20)}
     finally:
         server.terminate()
         server.wait(timeout=60)

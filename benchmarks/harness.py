@@ -1,7 +1,10 @@
 """What every kiln benchmark shares: the machine it ran on, decode-step timing, the JSON it prints."""
 
 import json
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -37,3 +40,39 @@ def emit(results: dict, out: Path | None) -> None:
     print(text)
     if out:
         Path(out).write_text(text + "\n")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: Path, log: Path | None, *options: str) -> tuple[subprocess.Popen, str, float]:
+    """Start `kiln serve MODEL_DIR OPTIONS...` in a fresh process, as a user would; return (process,
+    base URL, seconds from start to the first 200 on /health). Output goes to `log` (None: dropped)."""
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "kiln", "-v", "serve", str(model_dir), "--port", str(port), *options]
+    start = time.perf_counter()
+    out = open(log, "w") if log else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    while proc.poll() is None:
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base, time.perf_counter() - start
+        except httpx.TransportError:
+            time.sleep(0.05)
+    raise RuntimeError(f"kiln serve exited with {proc.returncode}" + (f": see {log}" if log else ""))
+
+
+def process_memory(pid: int, field: str = "VmHWM") -> int:
+    """Bytes of a process's VmRSS or VmHWM (peak) from /proc (Linux). Not ru_maxrss: that one keeps
+    the parent's peak across fork and exec."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+

@@ -15,7 +15,6 @@ completion: compile seconds, start-to-ready seconds and the serving process's pe
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import emit, machine  # noqa: E402  (benchmarks/ is the script's dir)
+from harness import emit, machine, process_memory, start_server  # noqa: E402  (benchmarks/ is the script's dir)
 
 SHAPES = {
     "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
@@ -102,19 +101,6 @@ def load_in_child(system: str, model_dir: Path) -> dict:
             "process_peak_after_one_token_gb": round(got["peak_after_token"] / 1e9, 3)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _peak_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def compile_and_serve(model_dir: Path, cache: Path) -> dict:
     """`kiln compile`, then `kiln serve --require-artifact` until one completion comes back."""
     import httpx
@@ -125,28 +111,16 @@ def compile_and_serve(model_dir: Path, cache: Path) -> dict:
     if proc.returncode != 0:
         return {"error": "compile: " + proc.stderr.strip()[-500:]}
     compile_s = time.perf_counter() - start
-    port = _free_port()
-    start = time.perf_counter()
-    server = subprocess.Popen([sys.executable, "-m", "kiln", "serve", str(model_dir), "--cache-dir", str(cache),
-                               "--require-artifact", "--port", str(port), "--served-model-name", "m"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server, url, ready_s = start_server(model_dir, None, "--cache-dir", str(cache), "--require-artifact",
+                                        "--served-model-name", "m")
     try:
-        while True:
-            if server.poll() is not None:
-                return {"compile_s": round(compile_s, 1), "error": "serve: " + server.stderr.read()[-500:]}
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        ready_s = time.perf_counter() - start
         body = {"model": "m", "prompt": "The kiln was", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
         start = time.perf_counter()
-        out = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=600).json()
+        out = httpx.post(f"{url}/v1/completions", json=body, timeout=600).json()
         return {"compile_s": round(compile_s, 1), "serve_ready_s": round(ready_s, 2),
                 "completion_16_tokens_s": round(time.perf_counter() - start, 2),
                 "completion_tokens": out["usage"]["completion_tokens"],
-                "serve_peak_gb": round(_peak_rss(server.pid) / 1e9, 3)}
+                "serve_peak_gb": round(process_memory(server.pid) / 1e9, 3)}
     finally:
         server.terminate()
         server.wait(timeout=60)

@@ -12,7 +12,6 @@ inter-token-latency percentiles (p50/p90/p99) as clients see them.
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,34 +23,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import emit, machine  # noqa: E402  (benchmarks/ is the script's dir)
+from harness import emit, machine, start_server  # noqa: E402  (benchmarks/ is the script's dir)
 
 MODEL = "bench"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model_dir: Path, cache: Path, artifact: str, log: Path) -> tuple[subprocess.Popen, str, float]:
-    """Start `kiln serve`; return (process, base URL, seconds from start to ready)."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "kiln", "-v", "serve", str(model_dir), "--port", str(port), "--cache-dir", str(cache),
-           "--served-model-name", MODEL, "--artifact", artifact]
-    if artifact != "eager":
-        cmd.append("--require-artifact")
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    while proc.poll() is None:
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base, time.perf_counter() - start
-        except httpx.TransportError:
-            time.sleep(0.05)
-    raise RuntimeError(f"kiln serve exited with {proc.returncode}: see {log}")
 
 
 def _percentiles(values: list[float]) -> dict:
@@ -117,8 +91,9 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "kiln", "compile", str(model_dir), "--cache-dir", str(work / "cache"),
                         "-q"], check=True, capture_output=True)
         for mode in ("artifact", "eager"):
-            proc, base, seconds = start_server(model_dir, work / "cache", "auto" if mode == "artifact" else "eager",
-                                               work / f"{mode}.log")
+            artifact = ["--require-artifact"] if mode == "artifact" else ["--artifact", "eager"]
+            proc, base, seconds = start_server(model_dir, work / f"{mode}.log", "--cache-dir", str(work / "cache"),
+                                               "--served-model-name", MODEL, *artifact)
             try:
                 results[mode] = {"start_to_ready_s": round(seconds, 2),
                                  **asyncio.run(load(base, args.clients, args.requests, args.max_tokens))}

@@ -10,7 +10,6 @@ ranks share memory bandwidth and pay a gloo round trip per all_reduce: the figur
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness import decode_step_seconds, emit, machine  # noqa: E402  (benchmarks/ is the script's dir)
+from harness import decode_step_seconds, emit, free_port, machine  # noqa: E402  (benchmarks/ is the script's dir)
 
 
 def measure(model_dir: Path, cache: Path, tp: int, batch: int, steps: int) -> dict:
@@ -35,14 +34,8 @@ def measure(model_dir: Path, cache: Path, tp: int, batch: int, steps: int) -> di
     return results
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def two_ranks(model_dir: Path, cache: Path, batch: int, steps: int, threads: int) -> dict:
-    port, procs = _free_port(), []
+    port, procs = free_port(), []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(max(1, threads // 2))}
