@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 
 from kiln.argtypes import at_least, fraction, positive
+from kiln.config import DTYPES
 from kiln.errors import KilnError
 
-DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
+DTYPE_CHOICES = ["auto", *DTYPES]
 
 logger = logging.getLogger("kiln.cli")
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from kiln.cache_tools.units import format_size
 from kiln.compiler.key import cache_key, model_factors
 from kiln.config import (CompileConfig, EngineConfig, ParallelConfig, cpu_has_native_bf16, default_cache_dir,
                          parse_device, parse_dtype)
@@ -18,7 +19,8 @@ from kiln.models.quantization import check_scheme, quantize_model
 from kiln.models.registry import create_model
 from kiln.passes import GraphPass
 from kiln.runtime.engine import Engine, RequestOutput
-from kiln.runtime.memory import MemoryPlan, activation_bytes, available_bytes, kv_bytes_per_token
+from kiln.runtime.kv_cache import bytes_per_block
+from kiln.runtime.memory import MemoryPlan, activation_bytes, available_bytes
 from kiln.runtime.parallel import init_from_env
 from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.tokenizer import Tokenizer
@@ -120,8 +122,8 @@ class LLM:
         """Which dtype runs and why, for the start-up line."""
         why = "the checkpoint's" if self.model_config.dtype == self.dtype else "asked for"
         note = f"running in {self.dtype} ({why}"
-        if self.device.type == "cpu" and self.dtype in ("bfloat16", "float16") and not cpu_has_native_bf16():
-            note += (f"; this CPU has no native {self.dtype} arithmetic (AVX512-BF16/AMX), so matmuls convert in "
+        if self.device.type == "cpu" and self.dtype == "bfloat16" and not cpu_has_native_bf16():
+            note += ("; this CPU has no native bfloat16 arithmetic (AVX512-BF16/AMX), so matmuls convert in "
                      "software: they read half the bytes, faster at batch 1, but are slower than float32 on "
                      "batches; --dtype float32 where twice the weight memory fits")
         return note + ")"
@@ -133,14 +135,14 @@ class LLM:
         world = self.parallel.world_size
         weights = checkpoint_bytes(self.model_dir, dtype) // world
         tokens = engine_config.max_model_len or engine_config.max_num_batched_tokens  # one sequence, or one step
-        kv_min = engine_config.kv_cache_memory_bytes or kv_bytes_per_token(self.model_config, dtype) // world * tokens
+        kv_min = engine_config.kv_cache_memory_bytes or bytes_per_block(self.model_config, 1, dtype) // world * tokens
         available = available_bytes(self.device) // (world if self.device.type == "cpu" else 1)
         plan = MemoryPlan(weights, activation_bytes(self.model_config, engine_config.max_num_batched_tokens,
                                                     engine_config.max_num_seqs), kv_min, available,
                           engine_config.memory_utilization)
         options = []
         if dtype.itemsize == 4:
-            options.append(f"--dtype bfloat16 (half the weights: {weights / 2 / (1 << 30):.1f} GiB)")
+            options.append(f"--dtype bfloat16 (half the weights: {format_size(weights // 2)})")
         if engine_config.kv_cache_memory_bytes is not None:
             options.append("a smaller --kv-cache-memory")
         elif engine_config.max_model_len is not None:

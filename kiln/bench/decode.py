@@ -18,6 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
+from kiln.config import DTYPES
 from kiln.errors import KilnError
 
 BANDWIDTH_BYTES = 512 << 20
@@ -89,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--require-artifact", action="store_true", help="time the compiled artifact; fail if it is "
                         "absent")
     parser.add_argument("--cache-dir", metavar="DIR", help="artifact cache (default $KILN_CACHE, else ~/.cache/kiln)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="default auto: the checkpoint's")
     parser.add_argument("--quantization", choices=["int8", "fp8"], help="W8A8 projections")
     parser.add_argument("--lm-head-quantization", choices=["int8"], help="an int8 LM head")
     parser.add_argument("--threads", type=int, metavar="N", help="CPU threads (default: the physical cores)")
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         ms = decode_step_seconds(llm, batch, args.steps, args.prompt_len) * 1e3
         results[str(batch)] = {"ms_per_token": round(ms, 3), "tokens_per_s": round(batch / ms * 1e3, 2),
                                "floor_fraction": round(floor_ms / ms, 3)}
-    report = {"model": str(args.model_dir), "compiled": llm.artifact_path is not None,
+    report = {"model": str(args.model_dir), "dtype": llm.dtype, "compiled": llm.artifact_path is not None,
               "quantization": args.quantization, "lm_head_quantization": args.lm_head_quantization,
               "threads": llm.threads, "weight_bytes_per_step": weights,
               "read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "floor_ms_per_step": round(floor_ms, 3),

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.argtypes import at_least, positive
+from kiln.config import DTYPES
 from kiln.errors import KilnError
 
 logger = logging.getLogger(__name__)
@@ -332,8 +333,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default 3); the median counts, min and max show the spread")
     parser.add_argument("--cold-repeats", type=at_least(1), metavar="N", help="cold compiles (default: "
                         "--repeats); they take the longest and no check reads their time")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and "
-                        "activations dtype (default float32)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="weights and "
+                        "activations dtype (default auto: the checkpoint's)")
     parser.add_argument("--out", metavar="FILE.json", help="also write the JSON result here")
     parser.add_argument("--chart", metavar="FILE.png", help="also draw a bar chart of the medians here (needs "
                         "matplotlib)")

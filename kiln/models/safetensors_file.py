@@ -43,7 +43,7 @@ class SafetensorsFile:
         except (ValueError, struct.error, OSError, UnicodeDecodeError) as e:  # an empty, cut or foreign file
             self.close()
             raise KilnError(f"{self.path} is not a readable safetensors file ({e})") from None
-        self.metadata: dict = header.pop("__metadata__", None) or {}
+        header.pop("__metadata__", None)
         self._start = 8 + length
         self._entries: dict = header
         for name, entry in header.items():

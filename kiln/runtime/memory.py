@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from kiln.cache_tools.units import format_size
 from kiln.errors import KilnError
 from kiln.models.config import ModelConfig
 
@@ -47,14 +48,6 @@ def activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs
     return 2 * 4 * (max_num_batched_tokens * width + max_num_seqs * cfg.vocab_size)
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
-    return 2 * (num_kv_heads or cfg.num_kv_heads) * cfg.head_dim * dtype.itemsize * cfg.num_layers
-
-
-def _size(n: float) -> str:
-    return f"{n / GiB:.1f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.0f} MiB"
-
-
 @dataclass
 class MemoryPlan:
     """What a model will take, checked against what the machine has before anything is loaded."""
@@ -66,22 +59,19 @@ class MemoryPlan:
     """The smallest KV cache worth starting with (one step's token budget), or the one asked for."""
     available: int
     utilization: float
-    """The share of the memory left after the weights that the KV cache and activations may take."""
+    """The share of the memory left after the weights that the KV cache and activations may take
+    (the engine sizes its KV cache by the same rule once the weights are in)."""
 
     @property
     def fits(self) -> bool:
         return self.weights + (self.activations + self.kv_min) / self.utilization <= self.available
-
-    def kv_budget(self, available_after_load: int) -> int:
-        """The KV cache's bytes, from the memory left once the weights are in."""
-        return max(int(available_after_load * self.utilization) - self.activations, 0)
 
     def check(self, dtype_name: str, kv_given: bool, suggestions: list[str]) -> None:
         if self.fits:
             return
         kv = "the KV cache asked for" if kv_given else "a minimal KV cache"
         raise KilnError(
-            f"the model does not fit: {_size(self.weights)} of weights in {dtype_name} + {_size(self.kv_min)} "
-            f"for {kv} + {_size(self.activations)} for activations, at memory utilization {self.utilization:g}, "
-            f"but {_size(self.available)} is available. Options: " + "; ".join(suggestions)
+            f"the model does not fit: {format_size(self.weights)} of weights in {dtype_name} + {format_size(self.kv_min)} "
+            f"for {kv} + {format_size(self.activations)} for activations, at memory utilization {self.utilization:g}, "
+            f"but {format_size(self.available)} is available. Options: " + "; ".join(suggestions)
         )

@@ -2,6 +2,7 @@
 memory, sharded files, a memory check before loading and a KV cache sized to the machine."""
 
 import json
+import re
 import logging
 import shutil
 import struct
@@ -15,7 +16,8 @@ from safetensors.torch import load_file, save_file
 from kiln import LLM, SamplingParams
 from kiln.errors import KilnError
 from kiln.models.config import ModelConfig
-from kiln.runtime.memory import activation_bytes, available_bytes, kv_bytes_per_token
+from kiln.runtime.kv_cache import bytes_per_block
+from kiln.runtime.memory import activation_bytes, available_bytes
 from tests.oracle import PROMPTS, hf_greedy
 from tests.processes import REPO
 
@@ -125,7 +127,7 @@ def test_a_model_too_large_for_memory_fails_before_loading_with_the_numbers(tmp_
     with pytest.raises(KilnError) as err:
         LLM(tmp_path / "huge", dtype="float32")
     message = str(err.value)
-    assert "does not fit" in message and "of weights in float32" in message and "GiB is available" in message
+    assert "does not fit" in message and "of weights in float32" in message and re.search(r"but [0-9.]+G is available", message)
     assert "--dtype bfloat16" in message and "\n" not in message
     proc = subprocess.run([sys.executable, "-m", "kiln", "generate", str(tmp_path / "huge"), "--prompt", "x",
                            "--dtype", "float32"], capture_output=True, text=True, timeout=120, cwd=REPO)
@@ -143,7 +145,7 @@ def test_a_long_context_model_starts_with_max_model_len_capped(demo_dirs, tmp_pa
     share = (budget + activation_bytes(cfg, 2048, 64)) / available_bytes(torch.device("cpu"))
     with caplog.at_level(logging.WARNING, logger="kiln"):
         llm = LLM(long, memory_utilization=share)  # the KV cache sized from the memory available
-    per_token = kv_bytes_per_token(cfg, torch.float32)
+    per_token = bytes_per_block(cfg, 1, torch.float32)
     assert 0.8 * budget <= llm.engine.max_model_len * per_token <= 1.2 * budget
     assert f"max_model_len capped to {llm.engine.max_model_len} tokens" in caplog.text
     out = llm.generate(["The kiln was"], SamplingParams(max_tokens=4, temperature=0))[0]
