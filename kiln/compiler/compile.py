@@ -276,8 +276,8 @@ def _build_variants(traced: TracedBackbone, manager: PassManager, compile_config
     the rest). Pieces that come out the same in two variants compile once. Each variant's graphs are
     added to `debug` as text."""
     ranges = compile_config.dynamic_ranges()
-    if manager.gemms is not None and _on_cpu(traced):  # small decode batches choose their GEMMs apart
-        ranges = gemm_choice.split_small_batches(ranges)
+    if manager.gemms is not None and _on_cpu(traced):  # decode batches choose their GEMMs apart
+        ranges = gemm_choice.split_at_batch_cuts(ranges)
     statics = [(s, s) for s in compile_config.sizes]
     start = time.perf_counter()
     groups = manager.group([*ranges, *statics], traced.graph.graph)

@@ -1,5 +1,6 @@
 """Projections on weights packed once at load time into the layout a CPU kernel wants: oneDNN's
-blocked float GEMM, and its int8 GEMM (VNNI or AMX where the CPU has them).
+blocked float GEMM, its int8 GEMM (VNNI or AMX where the CPU has them), and fbgemm's int8 GEMM (fast
+on AVX2 CPUs without VNNI, made exact there by splitting the activations).
 
 The artifact stays independent of the weights: a compiled graph calls these ops on a weight input,
 the manifest records which weights take which format, and the runtime packs them (`pack`) when it
@@ -9,10 +10,13 @@ dtype; each op also accepts the plain [N, K] weight, so the ops have a reference
 """
 
 import functools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+ops = torch.ops.kiln
 
 INT8_ZERO_POINT = 128
 """oneDNN's int8 GEMM takes unsigned activations: kiln's int8 codes are passed shifted by 128."""
@@ -39,9 +43,38 @@ def _onednn_fp8_widened(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.float())
 
 
+FBGEMM_ZERO_POINT = 64
+"""fbgemm's int8 GEMM multiplies unsigned activations by signed weights and, without VNNI, adds each
+pair of products in int16 (`vpmaddubsw`), which saturates for 8-bit codes. `fbgemm_int8_linear` splits
+each int8 code a into 2*hi + lo (hi in [-64, 63], lo in {0, 1}) and runs both halves as rows of one
+GEMM, shifted by this: every code it sees is in [0, 127], where a pair cannot saturate."""
+
+
+def _fbgemm_int8(w: torch.Tensor) -> torch.Tensor:
+    """An [N, K] handle (one byte, broadcast) carrying fbgemm's packed weight: the compiled graph
+    passes tensors only, and hands this one to `kiln::fbgemm_int8_linear` untouched."""
+    handle = torch.zeros((), dtype=torch.int8).expand(w.shape)
+    handle.fbgemm_packed = _fbgemm_prepack(w)
+    return handle
+
+
+def _fbgemm_prepack(w: torch.Tensor):
+    """w [N, K] int8 codes -> fbgemm's packed weight, scale 1: the GEMM returns the plain sums."""
+    engine = torch.backends.quantized.engine
+    try:
+        torch.backends.quantized.engine = "fbgemm"
+        with warnings.catch_warnings():  # torch marks quantized tensors deprecated; the packed GEMM is what we want
+            warnings.simplefilter("ignore", UserWarning)
+            codes = torch._make_per_tensor_quantized_tensor(w.contiguous(), 1.0, 0)
+            return torch.ops.quantized.linear_prepack(codes, None)
+    finally:
+        torch.backends.quantized.engine = engine
+
+
 FORMATS = {f.name: f for f in (
     WeightFormat("onednn", _onednn_float, "oneDNN blocked layout (fp32/bf16), for kiln::onednn_linear"),
     WeightFormat("onednn_int8", _onednn_int8, "oneDNN int8 layout, for kiln::onednn_int8_linear"),
+    WeightFormat("fbgemm_int8", _fbgemm_int8, "fbgemm's packed int8 weight, for kiln::fbgemm_int8_linear"),
     WeightFormat("onednn_fp8_as_fp32", _onednn_fp8_widened,
                  "fp8 codes widened to fp32 once, oneDNN blocked layout, for kiln::onednn_linear"),
 )}
@@ -54,7 +87,7 @@ def pack(format_name: str, weight: torch.Tensor) -> torch.Tensor:
 
 
 def is_packed(weight: torch.Tensor) -> bool:
-    return weight.layout == torch._mkldnn
+    return weight.layout == torch._mkldnn or hasattr(weight, "fbgemm_packed")
 
 
 @torch.library.custom_op("kiln::onednn_linear", mutates_args=())
@@ -94,6 +127,55 @@ def onednn_int8_linear(a_shifted: torch.Tensor, weight: torch.Tensor,
 @onednn_int8_linear.register_fake
 def _(a_shifted, weight, weight_scale=None):
     return a_shifted.new_empty((a_shifted.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+def split_int8(a: torch.Tensor) -> torch.Tensor:
+    """int8 codes [M, K] -> fp32 rows [2M, K]: hi = floor(a / 2) over lo = a - 2 hi, so a = 2 hi + lo
+    with every value in [-64, 63] (see FBGEMM_ZERO_POINT)."""
+    hi = torch.div(a, 2, rounding_mode="floor")
+    return torch.cat([hi, a - 2 * hi]).float()
+
+
+def join_int8(out: torch.Tensor) -> torch.Tensor:
+    """`fbgemm_rows_linear`'s [2M, N] sums of split rows -> the [M, N] sums of the codes."""
+    hi, lo = out.view(2, out.shape[0] // 2, out.shape[1]).unbind(0)
+    return hi * 2 + lo
+
+
+@torch.library.custom_op("kiln::fbgemm_rows_linear", mutates_args=())
+def fbgemm_rows_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows @ weight.T in fp32 from exact int32 sums: `rows` [R, K] fp32 holds integers in [-64, 63]
+    (`split_int8`), `weight` [N, K] int8 is packed by the "fbgemm_int8" format or plain. The compiled
+    graph splits and joins around it, where Inductor fuses both into the loops beside."""
+    packed = weight.fbgemm_packed if hasattr(weight, "fbgemm_packed") else _fbgemm_prepack(weight)
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(rows, 1.0, FBGEMM_ZERO_POINT, packed)
+
+
+@fbgemm_rows_linear.register_fake
+def _(rows, weight):
+    return rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+def fbgemm_int8_linear(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """a @ weight.T in fp32 from exact int32 sums (`torch._int_mm`'s numbers; the caller scales them):
+    `a` [M, K] int8 codes, `weight` as `fbgemm_rows_linear` takes it. fbgemm's AVX2 kernel would
+    saturate on full 8-bit codes, so the codes are split in two (FBGEMM_ZERO_POINT) and the M rows
+    become 2M; at decode sizes the GEMM streams the weight once either way."""
+    return join_int8(ops.fbgemm_rows_linear(split_int8(a), weight))
+
+
+@functools.cache
+def fbgemm_available() -> bool:
+    """Whether this torch has fbgemm's quantized linear (deprecated with quantized tensors; absent on
+    non-x86 builds)."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return False
+    try:
+        a = torch.tensor([[127, -127, 3]], dtype=torch.int8)
+        w = torch.tensor([[127, 127, -5], [-127, 1, 0]], dtype=torch.int8)
+        return torch.equal(fbgemm_int8_linear(a, pack("fbgemm_int8", w)), a.float() @ w.float().t())
+    except (RuntimeError, AttributeError):
+        return False
 
 
 def shift_int8(a: torch.Tensor) -> torch.Tensor:

@@ -32,17 +32,23 @@ class PackedHead:
 
 class Int8Head:
     """W8A8 logits: per-token int8 activations x per-channel int8 weights, int32 accumulation, fp32
-    out. On a CPU whose oneDNN int8 GEMM is exact the weight is packed for it; else torch._int_mm."""
+    out. On a CPU the weight is packed for oneDNN's int8 GEMM where it is exact (VNNI), else for
+    fbgemm's; elsewhere torch._int_mm runs it."""
 
     def __init__(self, weight: torch.Tensor):
         codes, self.scale = quantize_weight(weight.detach(), torch.int8)
-        self.onednn = codes.device.type == "cpu" and packed_linear.int8_gemm_exact()
-        self.codes = packed_linear.pack("onednn_int8", codes) if self.onednn else codes
+        self.kernel = None
+        if codes.device.type == "cpu":
+            self.kernel = "onednn_int8" if packed_linear.int8_gemm_exact() else \
+                "fbgemm_int8" if packed_linear.fbgemm_available() else None
+        self.codes = packed_linear.pack(self.kernel, codes) if self.kernel else codes
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         a, a_scale = ops.quant_int8(hidden, None)
-        if self.onednn:
+        if self.kernel == "onednn_int8":
             return ops.onednn_int8_linear(packed_linear.shift_int8(a), self.codes, self.scale).mul_(a_scale)
+        if self.kernel == "fbgemm_int8":
+            return packed_linear.fbgemm_int8_linear(a, self.codes).mul_(a_scale).mul_(self.scale)
         return ops.scaled_mm(a, self.codes, a_scale, self.scale, torch.float32, None)
 
 

@@ -1,14 +1,14 @@
 """Which kernel runs each projection on CPU: torch's GEMM on the weight as loaded (what Inductor calls
-for `mm`/`addmm`, and `kiln::scaled_mm`'s native form), or a oneDNN kernel on a weight the runtime
-packs once at load (`kiln.kernels.packed_linear`). Decided by measurement per weight shape and kind,
-and recorded with the format each weight input takes.
+for `mm`/`addmm`, and `kiln::scaled_mm`'s native form), or a kernel on a weight the runtime packs once
+at load (`kiln.kernels.packed_linear`: oneDNN's float and int8 GEMMs, fbgemm's int8 GEMM). Decided by
+measurement per weight shape and kind, and recorded with the format each weight input takes.
 
 Each size range is decided at its own token counts (its bounds, and a decode batch of 16 where the
 range holds it), the way the CUDA kernel choice is: small decode batches read weights and large ones
 compute, and the kernel that wins differs. On CPU the compile cuts the dynamic token range after
-SMALL_BATCH tokens for that; ranges whose decisions agree share one graph. A candidate is chosen only
-if it is faster at every count measured and, first, gives the baseline's numbers (an int8 kernel
-that saturates on this CPU is never chosen). fp8 weights are always widened and packed once (torch's
+SMALL_BATCH and DECODE_BATCH tokens for that; ranges whose decisions agree share one graph. A candidate must first give
+the baseline's numbers (an int8 kernel that saturates on this CPU is never chosen); of those faster
+than the baseline at every count measured, the fastest in total wins. fp8 weights are always widened and packed once (torch's
 form widens them on every call); projections too small to time apart keep torch's GEMM. A weight two
 variants read in two formats is packed (or kept) in both.
 """
@@ -37,6 +37,10 @@ DECODE_TOKENS = 16
 SMALL_BATCH = 8
 """On CPU the dynamic token range is cut after this many tokens, so small decode batches (where a
 GEMM reads its weight once and per-call costs count) choose their kernels apart from the rest."""
+DECODE_BATCH = 32
+"""...and after this many, so larger decode batches choose apart from prefill chunks (where a GEMM
+computes more than it reads, and the fastest kernel at 256 tokens can be the slowest at 16)."""
+BATCH_CUTS = (SMALL_BATCH, DECODE_BATCH)
 STREAM_BYTES = 96 << 20
 """Weights are timed as a model reads them, from memory: enough copies to overflow the CPU's caches
 (at most MAX_COPIES: a model of weights that small stays in the caches when it runs, too)."""
@@ -55,7 +59,7 @@ class GemmChoice:
     kind: str  # "float" (mm/addmm), "int8" or "fp8" (scaled_mm)
     shape: tuple[int, int]  # the weight's [N, K]
     dtype: str
-    kernel: str  # "aten" (the weight as loaded) or the name of the packed format chosen
+    kernel: str  # "aten" (the weight as loaded), "widened" (int8), or the name of the packed format chosen
     tokens: tuple[int, ...]
     ms: dict[str, tuple[float, ...]]
     calls: int = 0
@@ -73,12 +77,14 @@ def measured_tokens(size_range: tuple[int, int]) -> tuple[int, ...]:
     return tuple(sorted({low, min(high, max(low, MAX_MEASURED_TOKENS))} | inside))
 
 
-def split_small_batches(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """`ranges` with the one holding both SMALL_BATCH and SMALL_BATCH + 1 cut between them."""
-    out = []
-    for low, high in ranges:
-        out += [(low, SMALL_BATCH), (SMALL_BATCH + 1, high)] if low <= SMALL_BATCH < high else [(low, high)]
-    return out
+def split_at_batch_cuts(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """`ranges` with any range holding both c and c + 1, for c in BATCH_CUTS, cut between them."""
+    for cut in BATCH_CUTS:
+        out = []
+        for low, high in ranges:
+            out += [(low, cut), (cut + 1, high)] if low <= cut < high else [(low, high)]
+        ranges = out
+    return ranges
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,7 @@ class _Signature:
 
 
 Timer = Callable[[Callable, Sequence], float]
+"""timer(fn, args) -> milliseconds of fn(*args); `fn.kernel` names the kernel it calls (see GemmChoice.kernel)."""
 
 
 class GemmChooser:
@@ -116,11 +123,11 @@ class GemmChooser:
         for sig, nodes in _sites(graph).items():
             choice = self.choose(sig, tokens)
             choices.append(_with_calls(choice, len(nodes)))
-            packed = choice.kernel != "aten"
+            packed = choice.kernel in packed_linear.FORMATS
             if not packed and sig.kind != "int8":  # torch's GEMM is what the graph calls already
                 continue
             for node, weight in nodes:
-                _REWRITES[sig.kind](graph, node, weight, packed)
+                _REWRITES[sig.kind](graph, node, weight, choice.kernel)
                 if packed:
                     formats[weight.target] = choice.kernel
         return choices, formats
@@ -219,7 +226,7 @@ def _insert(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) ->
     return node
 
 
-def _rewrite_float(graph: fx.Graph, node: fx.Node, weight: fx.Node, packed: bool = True) -> None:
+def _rewrite_float(graph: fx.Graph, node: fx.Node, weight: fx.Node, kernel: str) -> None:
     x, bias = (node.args[0], None) if node.target is aten.mm.default else (node.args[1], node.args[0])
     transposed = node.args[1] if node.target is aten.mm.default else node.args[2]
     with graph.inserting_before(node):
@@ -249,12 +256,26 @@ def _epilogue(graph: fx.Graph, out: fx.Node, a_scale: fx.Node, b_scale: fx.Node,
     return out
 
 
-def _rewrite_int8(graph: fx.Graph, node: fx.Node, weight: fx.Node, packed: bool) -> None:
-    """scaled_mm => the int8 GEMM (oneDNN's on the packed weight, else torch._int_mm, which AOTInductor
-    calls from C++ with no Python op around it) and its epilogue in the graph, for Inductor to fuse."""
+def _rewrite_int8(graph: fx.Graph, node: fx.Node, weight: fx.Node, kernel: str) -> None:
+    """scaled_mm => the int8 GEMM (oneDNN's or fbgemm's on the packed weight, else torch._int_mm, which
+    AOTInductor calls from C++ with no Python op around it) and its epilogue in the graph, for
+    Inductor to fuse."""
     a, _, a_scale, b_scale, out_dtype, bias = _scaled_mm_args(node)
     with graph.inserting_before(node):
-        if packed:
+        if kernel == "fbgemm_int8":  # packed_linear.fbgemm_int8_linear, its split and join in the graph
+            half = _insert(graph, aten.div.Tensor_mode, (a, 2), {"rounding_mode": "floor"})
+            rest = _insert(graph, aten.sub.Tensor, (a, _insert(graph, aten.mul.Tensor, (half, 2))))
+            halves = _insert(graph, aten.cat.default, ([half, rest],))
+            rows = _insert(graph, aten._to_copy.default, (halves,), {"dtype": torch.float32})
+            sums = _insert(graph, aten.view.default, (_insert(graph, ops.fbgemm_rows_linear.default, (rows, weight)),
+                                                      [2, -1, weight.meta["val"].shape[0]]))
+            hi, lo = (_insert(graph, aten.select.int, (sums, 0, i)) for i in (0, 1))
+            out = _insert(graph, aten.add.Tensor, (_insert(graph, aten.mul.Tensor, (hi, 2)), lo))
+        elif kernel == "widened":
+            wide = _insert(graph, aten._to_copy.default, (weight,), {"dtype": torch.float32})
+            out = _insert(graph, aten.mm.default, (_insert(graph, aten._to_copy.default, (a,), {"dtype": torch.float32}),
+                                                   _insert(graph, aten.t.default, (wide,))))
+        elif kernel == "onednn_int8":
             wide = _insert(graph, aten._to_copy.default, (a,), {"dtype": torch.int16})
             shifted = _insert(graph, aten.add.Tensor, (wide, packed_linear.INT8_ZERO_POINT))
             codes = _insert(graph, aten._to_copy.default, (shifted,), {"dtype": torch.uint8})
@@ -268,7 +289,7 @@ def _rewrite_int8(graph: fx.Graph, node: fx.Node, weight: fx.Node, packed: bool)
     graph.erase_node(node)
 
 
-def _rewrite_fp8(graph: fx.Graph, node: fx.Node, weight: fx.Node, packed: bool = True) -> None:
+def _rewrite_fp8(graph: fx.Graph, node: fx.Node, weight: fx.Node, kernel: str) -> None:
     a, _, a_scale, b_scale, out_dtype, bias = _scaled_mm_args(node)
     with graph.inserting_before(node):
         wide = _insert(graph, aten._to_copy.default, (a,), {"dtype": torch.float32})
@@ -279,7 +300,11 @@ def _rewrite_fp8(graph: fx.Graph, node: fx.Node, weight: fx.Node, packed: bool =
 
 
 _REWRITES = {"float": _rewrite_float, "int8": _rewrite_int8, "fp8": _rewrite_fp8}
-_CANDIDATES = {"float": "onednn", "int8": "onednn_int8", "fp8": "onednn_fp8_as_fp32"}
+_CANDIDATES = {"float": ("onednn",), "int8": ("onednn_int8", "fbgemm_int8", "widened"), "fp8": ("onednn_fp8_as_fp32",)}
+"""Per kind, the kernels tried against torch's GEMM: packed formats (`packed_linear.FORMATS`), and for
+int8 "widened", codes widened to fp32 per call for torch's float GEMM (exact: integer products, and
+sums as exact as the int32 ones converted): where a CPU's int8 GEMMs are slow, large prefill chunks
+compute faster so."""
 
 
 def _streamed_time(fn: Callable, args: Sequence) -> float:
@@ -295,49 +320,60 @@ def _streamed_time(fn: Callable, args: Sequence) -> float:
     return min(times) * 1e3
 
 
+def _unavailable(sig: _Signature, candidate: str) -> str | None:
+    """Why `candidate` cannot run `sig` on this CPU and torch, or None."""
+    if candidate.startswith("onednn") and not torch.backends.mkldnn.is_available():
+        return "this torch is built without oneDNN"
+    if candidate == "onednn_int8" and not packed_linear.int8_gemm_exact():
+        return "oneDNN's int8 GEMM saturates on this CPU (no VNNI)"
+    if candidate == "fbgemm_int8" and not packed_linear.fbgemm_available():
+        return "this torch has no fbgemm quantized linear"
+    return None
+
+
 def _measure(sig: _Signature, tokens: tuple[int, ...], timer: Timer) -> GemmChoice:
-    """Time the baseline and the packed candidate at each token count, on random weights in enough
-    copies to stream from memory as a model's do."""
+    """Time the baseline and each packed candidate at each token count, on random weights in enough
+    copies to stream from memory as a model's do; the fastest candidate faster than the baseline at
+    every count wins."""
     n, k = sig.shape
-    candidate = _CANDIDATES[sig.kind]
+    dtype = str(sig.dtype).removeprefix("torch.")
+    candidates = _CANDIDATES[sig.kind]
     if sig.kind != "fp8" and n * k < MIN_TIMED_ELEMENTS:
-        return GemmChoice(sig.kind, sig.shape, str(sig.dtype).removeprefix("torch."), "aten", tokens, {},
-                          rejected={candidate: f"{n} x {k} weights: too small to time apart"})
+        return GemmChoice(sig.kind, sig.shape, dtype, "aten", tokens, {},
+                          rejected={c: f"{n} x {k} weights: too small to time apart" for c in candidates})
     generator = torch.Generator().manual_seed(n * 31 + k)
     copies = max(1, min(MAX_COPIES, math.ceil(STREAM_BYTES / (n * k * sig.dtype.itemsize))))
     first = _random_weight(sig, generator)
     plain = [first] + [first.clone() for _ in range(copies - 1)]  # copies stream as distinct weights would
     scale = torch.rand(n, generator=generator) * 0.01 + 1e-3
     bias = torch.randn(n, generator=generator).to(_act_dtype(sig)) if sig.bias else None
-    rejected = {}
-    if not torch.backends.mkldnn.is_available():
-        rejected[candidate] = "this torch is built without oneDNN"
-    elif sig.kind == "int8" and not packed_linear.int8_gemm_exact():
-        rejected[candidate] = "oneDNN's int8 GEMM saturates on this CPU (no VNNI)"
-    packed = []
-    if not rejected:
-        try:
-            packed = [packed_linear.pack(candidate, w) for w in plain]
-        except RuntimeError as e:
-            rejected[candidate] = f"packing failed: {e}"
-    runs = {"aten": _runner(sig, "aten", plain, scale, bias)}
-    if packed:
-        runs[candidate] = _runner(sig, candidate, packed, scale, bias)
-        problem = _differs(sig, runs, generator)
-        if problem:
+    rejected: dict[str, str] = {}
+    runs = {"aten": _labelled("aten", _runner(sig, "aten", plain, scale, bias))}
+    for candidate in candidates:
+        problem = _unavailable(sig, candidate)
+        if problem is None:
+            try:
+                packed = [packed_linear.pack(candidate, w) for w in plain] if candidate in packed_linear.FORMATS else plain
+            except RuntimeError as e:
+                problem = f"packing failed: {e}"
+        if problem is None:
+            runs[candidate] = _labelled(candidate, _runner(sig, candidate, packed, scale, bias))
+            problem = _differs(sig, {"aten": runs["aten"], candidate: runs[candidate]}, generator)
+        if problem is not None:
             rejected[candidate] = problem
-            del runs[candidate]
-    ms: dict[str, list[float]] = {name: [] for name in runs}
+            runs.pop(candidate, None)
     if sig.kind == "fp8":  # no timing needed: torch's form widens the whole weight on every call
-        return GemmChoice(sig.kind, sig.shape, str(sig.dtype).removeprefix("torch."),
-                          candidate if candidate in runs else "aten", tokens, {}, rejected=rejected)
+        return GemmChoice(sig.kind, sig.shape, dtype, next((c for c in candidates if c in runs), "aten"), tokens, {},
+                          rejected=rejected)
+    ms: dict[str, list[float]] = {name: [] for name in runs}
     for t in tokens:
         x = _random_input(sig, t, generator)
         for name, run in runs.items():
             ms[name].append(timer(run, x))
-    faster = candidate in ms and all(c < b for c, b in zip(ms[candidate], ms["aten"]))
-    return GemmChoice(sig.kind, sig.shape, str(sig.dtype).removeprefix("torch."), candidate if faster else "aten",
-                      tokens, {k: tuple(round(v, 4) for v in vs) for k, vs in ms.items()}, rejected=rejected)
+    faster = [c for c in ms if c != "aten" and all(t < b for t, b in zip(ms[c], ms["aten"]))]
+    kernel = min(faster, key=lambda c: sum(ms[c])) if faster else "aten"
+    return GemmChoice(sig.kind, sig.shape, dtype, kernel, tokens,
+                      {k: tuple(round(v, 4) for v in vs) for k, vs in ms.items()}, rejected=rejected)
 
 
 def _act_dtype(sig: _Signature) -> torch.dtype:
@@ -362,6 +398,12 @@ def _random_input(sig: _Signature, tokens: int, generator: torch.Generator) -> l
     return [codes, torch.rand(tokens, 1, generator=generator) * 0.01 + 1e-4]
 
 
+def _labelled(kernel: str, run: Callable) -> Callable:
+    """`run` with the kernel it calls as its `kernel` attribute (what a stand-in timer reads)."""
+    run.kernel = kernel
+    return run
+
+
 def _runner(sig: _Signature, kernel: str, weights: list[torch.Tensor], scale: torch.Tensor,
             bias: torch.Tensor | None) -> Callable:
     """A call of `kernel` on its inputs that reads the next weight copy each time."""
@@ -378,6 +420,10 @@ def _runner(sig: _Signature, kernel: str, weights: list[torch.Tensor], scale: to
     if sig.kind == "int8":  # the GEMMs alone: the graph fuses the shift and the epilogue into other loops
         if kernel == "aten":
             return lambda a, s: torch._int_mm(a, weight().t())
+        if kernel == "fbgemm_int8":
+            return lambda a, s: packed_linear.fbgemm_int8_linear(a, weight())
+        if kernel == "widened":
+            return lambda a, s: a.float() @ weight().float().t()
         return lambda a, s: ops.onednn_int8_linear(packed_linear.shift_int8(a), weight())
     if kernel == "aten":
         return lambda a, s: ops.scaled_mm(a, weight(), s, scale, sig.out_dtype, bias)

@@ -362,7 +362,8 @@ def test_variants_read_the_weight_formats_their_gemm_choices_asked_for(demo_dirs
     llm = LLM(demo_dirs["llama"], compile=True, cache_dir=tmp_path)
     manifest = artifact.read_manifest(llm.artifact_path)
     small, rest = manifest["variants"]
-    assert small["ranges"] == [[1, gemm_choice.SMALL_BATCH]] and rest["ranges"] == [[gemm_choice.SMALL_BATCH + 1, 2048]]
+    assert small["ranges"] == [[1, gemm_choice.SMALL_BATCH]]
+    assert rest["ranges"] == [[gemm_choice.SMALL_BATCH + 1, gemm_choice.DECODE_BATCH], [gemm_choice.DECODE_BATCH + 1, 2048]]
     assert small["weight_formats"] == {} and len(rest["weight_formats"]) == 4 * 4
     assert {c["kernel"] for c in small["gemm_choices"]} == {"aten"} and {c["kernel"] for c in rest["gemm_choices"]} == {
         "onednn"}

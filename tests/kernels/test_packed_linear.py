@@ -53,6 +53,26 @@ def test_onednn_int8_linear_is_exact_int32_accumulation(rows):
         assert torch.equal(out, ref)  # the same int32 sums, converted to fp32 the same way
 
 
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_fbgemm_int8_linear_is_exact_where_a_pairwise_sum_would_saturate(rows):
+    if not packed_linear.fbgemm_available():
+        pytest.skip("this torch has no fbgemm quantized linear")
+    torch.manual_seed(0)
+    k = 2000
+    a = torch.randint(-127, 128, (rows, k), dtype=torch.int8)
+    a[0] = 127  # 8-bit codes straight into fbgemm's AVX2 kernel: 255 x 127 twice overflows int16
+    a[-1, ::2] = -127
+    w = torch.randint(-127, 128, (48, k), dtype=torch.int8)
+    w[1], w[2] = -127, 127
+    ref = (a.double() @ w.double().t()).float()  # int32 sums (|sum| < 2^24 here: exact in fp32 too)
+    packed = packed_linear.pack("fbgemm_int8", w)
+    assert packed_linear.is_packed(packed) and packed.shape == w.shape
+    for weight in (packed, w):
+        out = packed_linear.fbgemm_int8_linear(a, weight)
+        assert out.dtype == torch.float32 and out.shape == (rows, 48)
+        assert torch.equal(out, ref)
+
+
 def test_int8_shift_round_trips_every_code():
     codes = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
     shifted = packed_linear.shift_int8(codes)

@@ -10,7 +10,7 @@ from kiln.kernels import packed_linear
 from kiln.passes import count_ops, gemm_choice
 from kiln.config import PassConfig
 from kiln.passes import PassManager
-from kiln.passes.gemm_choice import SMALL_BATCH, GemmChooser, measured_tokens, split_small_batches
+from kiln.passes.gemm_choice import SMALL_BATCH, GemmChooser, measured_tokens, split_at_batch_cuts
 from tests.passes.conftest import SCHEMES, assert_same_outputs, fresh
 
 ops, aten = torch.ops.kiln, torch.ops.aten
@@ -32,15 +32,13 @@ def test_projections_too_small_to_time_keep_torchs_gemm(traced_graphs, monkeypat
     assert all(c.kernel == "aten" and c.ms == {} and "too small to time" in c.rejected["onednn"] for c in choices)
 
 
-def packed_faster(timed: list | None = None):
-    """A stand-in timer: within each token count the baseline is timed first, then the candidate."""
-    calls = []
+def packed_faster(timed: list | None = None, fastest: str | None = None):
+    """A stand-in timer: torch's GEMM 2 ms, a packed kernel 1 ms (0.5 ms for `fastest`)."""
 
     def timer(fn, args):
-        calls.append(args[0].shape[0])
         if timed is not None:
             timed.append(args[0].shape[0])
-        return 2.0 if len(calls) % 2 == 1 else 1.0
+        return 2.0 if fn.kernel == "aten" else 0.5 if fn.kernel == fastest else 1.0
 
     return timer
 
@@ -78,20 +76,28 @@ def test_slower_kernel_is_not_chosen(traced_graphs):
     assert traced.graph.code == before
 
 
-@pytest.mark.parametrize("scheme", SCHEMES)
-def test_quantized_projections_move_to_packed_weights(quantized_llms, traced_graphs, scheme):
+QUANT_KERNELS = [(scheme, kernel) for scheme in SCHEMES
+                 for kernel in (("onednn_int8", "fbgemm_int8", "widened") if scheme.startswith("int8")
+                                else ("onednn_fp8_as_fp32",))]
+OPS = {"onednn_int8": ops.onednn_int8_linear, "fbgemm_int8": ops.fbgemm_rows_linear, "widened": aten.mm,
+       "onednn_fp8_as_fp32": ops.onednn_linear}
+
+
+@pytest.mark.parametrize("scheme,kernel", QUANT_KERNELS)
+def test_quantized_projections_move_to_packed_weights(quantized_llms, traced_graphs, scheme, kernel):
     llm, traced = quantized_llms[scheme], fresh(traced_graphs[scheme])
     layers = llm.model_config.num_layers
-    if scheme.startswith("int8") and not packed_linear.int8_gemm_exact():
-        pytest.skip("oneDNN's int8 GEMM saturates on this CPU: never chosen here")
-    choices, formats = GemmChooser(timer=packed_faster())(traced.graph.graph, (1, 16))
+    sig = gemm_choice._Signature(scheme.split("-")[0], (8, 8), torch.int8, False)
+    if (why := gemm_choice._unavailable(sig, kernel)) is not None:
+        pytest.skip(f"{kernel}: {why}: never chosen here")
+    choices, formats = GemmChooser(timer=packed_faster(fastest=kernel))(traced.graph.graph, (1, 16))
     traced.graph.recompile()
     graph = traced.graph.graph
     assert count_ops(graph, ops.scaled_mm) == 0
-    kernel = ops.onednn_int8_linear if scheme.startswith("int8") else ops.onednn_linear
-    assert count_ops(graph, kernel) == 4 * layers
-    expected = "onednn_int8" if scheme.startswith("int8") else "onednn_fp8_as_fp32"
-    assert {c.kind for c in choices} == {scheme.split("-")[0]} and set(formats.values()) == {expected}
+    assert count_ops(graph, OPS[kernel]) == 4 * layers
+    packed = {kernel} if kernel in packed_linear.FORMATS else set()  # widened reads the int8 weight as loaded
+    assert {c.kind for c in choices} == {scheme.split("-")[0]} and set(formats.values()) == packed
+    assert {c.kernel for c in choices} == {kernel}
     # int8: the same int32 sums and scale products as scaled_mm. fp8: oneDNN sums the fp32 products in
     # another order than torch's GEMM, and a requantized activation can round the other way (one fp8
     # step is 1/16 of a value): up to 8e-4 measured on an AVX2 EPYC, 1e-4 on an AVX512 one
@@ -135,9 +141,9 @@ def test_each_range_is_measured_at_its_own_counts():
     assert measured_tokens((1, 8)) == (1, 8) and measured_tokens((1, 1)) == (1,)
     assert measured_tokens((9, 2048)) == (9, 16, 256) and measured_tokens((17, 2048)) == (17, 256)
     assert measured_tokens((300, 2048)) == (300,)  # a prefill chunk is as far as a GEMM is timed
-    assert split_small_batches([(1, 2048)]) == [(1, 8), (9, 2048)]
-    assert split_small_batches([(1, 4), (5, 64)]) == [(1, 4), (5, 8), (9, 64)]
-    assert split_small_batches([(1, 8), (9, 16)]) == [(1, 8), (9, 16)]
+    assert split_at_batch_cuts([(1, 2048)]) == [(1, 8), (9, 32), (33, 2048)]
+    assert split_at_batch_cuts([(1, 4), (5, 64)]) == [(1, 4), (5, 8), (9, 32), (33, 64)]
+    assert split_at_batch_cuts([(1, 8), (9, 16)]) == [(1, 8), (9, 16)]
 
 
 def small_batches_keep_torch(fn, args):
