@@ -147,7 +147,12 @@ def fbgemm_rows_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     """rows @ weight.T in fp32 from exact int32 sums: `rows` [R, K] fp32 holds integers in [-64, 63]
     (`split_int8`), `weight` [N, K] int8 is packed by the "fbgemm_int8" format or plain. The compiled
     graph splits and joins around it, where Inductor fuses both into the loops beside."""
-    packed = weight.fbgemm_packed if hasattr(weight, "fbgemm_packed") else _fbgemm_prepack(weight)
+    if hasattr(weight, "fbgemm_packed"):
+        packed = weight.fbgemm_packed
+    elif weight.stride() == (0, 0):  # a handle whose packed weight did not come with it: its codes are not here
+        raise RuntimeError("kiln::fbgemm_rows_linear got an fbgemm_int8 handle without its packed weight")
+    else:
+        packed = _fbgemm_prepack(weight)
     return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(rows, 1.0, FBGEMM_ZERO_POINT, packed)
 
 

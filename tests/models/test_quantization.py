@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kiln import LLM, KilnError, SamplingParams
+from kiln.compiler import artifact
 from kiln.models.quantization import SCHEMES, QuantLinear
 from kiln.models.demo import paragraph_openings
 from tests.oracle import PROMPTS
@@ -100,3 +101,27 @@ def test_int8_compiled_equals_int8_eager(demo_dirs, kiln_cache):
 def test_unknown_scheme_is_refused(demo_dirs):
     with pytest.raises(KilnError, match="unknown quantization 'int4'; choose from int8, fp8"):
         LLM(demo_dirs["llama"], quantization="int4")
+
+
+def test_int8_artifact_on_packed_int8_weights_equals_int8_eager(demo_dirs, tmp_path, monkeypatch):
+    """The int8 GEMM the CPU choice prefers (fbgemm's without VNNI, oneDNN's with it), compiled into the
+    artifact: its weights packed at load reach the kernel through AOTInductor's op calls."""
+    from kiln.kernels import packed_linear
+    from kiln.passes import gemm_choice
+
+    kernel = "onednn_int8" if packed_linear.int8_gemm_exact() else "fbgemm_int8"
+    if gemm_choice._unavailable(gemm_choice._Signature("int8", (8, 8), torch.int8, False), kernel):
+        pytest.skip(f"{kernel} is not available here")
+    monkeypatch.setattr(gemm_choice, "_streamed_time", lambda fn, args: 0.5 if fn.kernel == kernel else 2.0)
+    monkeypatch.setattr(gemm_choice, "MIN_TIMED_ELEMENTS", 0)  # the demo's projections are time-worthy here
+    llm = LLM(demo_dirs["llama"], quantization="int8", compile=True, cache_dir=tmp_path)
+    manifest = artifact.read_manifest(llm.artifact_path)
+    layers = llm.model_config.num_layers
+    assert all(set(v["weight_formats"].values()) == {kernel} and len(v["weight_formats"]) == 4 * layers
+               for v in manifest["variants"])
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    eager = LLM(demo_dirs["llama"], quantization="int8").generate(PROMPTS, params)
+    for c, e in zip(llm.generate(PROMPTS, params), eager):
+        assert c.token_ids == e.token_ids
+        diff = (torch.tensor(c.logprobs) - torch.tensor(e.logprobs)).abs()  # as in the test above
+        assert diff.max() < 2e-2 and diff.median() < 1e-4, diff
