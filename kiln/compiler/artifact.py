@@ -85,8 +85,14 @@ def _blob_entries(manifest: dict) -> list[dict]:
 
 
 def variant_label(ranges: list, sizes: list) -> str:
-    """"1-64,128": the token counts a variant serves."""
-    return ",".join([f"{lo}-{hi}" for lo, hi in ranges] + [str(s) for s in sizes])
+    """"1-64,128": the token counts a variant serves (adjacent ranges shown as one)."""
+    merged: list[list[int]] = []
+    for lo, hi in sorted(ranges):
+        if merged and lo == merged[-1][1] + 1:
+            merged[-1][1] = hi
+        else:
+            merged.append([lo, hi])
+    return ",".join([f"{lo}-{hi}" for lo, hi in merged] + [str(s) for s in sizes])
 
 
 def pass_matches(manifest: dict) -> dict[str, dict[str, int | None]]:

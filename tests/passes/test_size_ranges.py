@@ -62,11 +62,11 @@ def test_each_batch_runs_the_variant_for_its_token_count(demo_dirs, tmp_path, ca
     counters.clear()
     llm = LLM(demo_dirs["llama"], compile=True, cache_dir=tmp_path, compile_config=config, passes=[DoubleOutput()],
               max_num_batched_tokens=64)
-    # variant 0 (1-8 and 16, with the pass): 3 unique pieces x (dynamic + size 16); variant 1 (9-64):
+    # variant 0 (1-8 and 16, with the pass): 3 unique pieces x (dynamic + size 16); variant 1 (9-32, 33-64):
     # the two pieces the pass does not touch are the same graphs, only the last one compiles again
     assert counters["pieces_compiled"] + counters["pieces_cached"] == 7 and counters["blobs_saved"] == 7
     manifest = read_manifest(llm.artifact_path)
-    assert [(v["ranges"], v["sizes"]) for v in manifest["variants"]] == [([[1, 8]], [16]), ([[9, 64]], [])]
+    assert [(v["ranges"], v["sizes"]) for v in manifest["variants"]] == [([[1, 8]], [16]), ([[9, 32], [33, 64]], [])]
     matches = pass_matches(manifest)
     assert matches["1-8,16"]["double_output"] == 1 and matches["9-64"]["double_output"] is None
     assert matches["1-8,16"]["lowering"] == matches["9-64"]["lowering"] == 9 + 4 + 4  # norms, activations, rotaries
