@@ -57,4 +57,22 @@ def _register_triton_kernels() -> None:
         register()
 
 
+
+
+def _no_lazy_dynamo_import() -> None:
+    """torch wraps each custom op's implementation to import torch._dynamo on its first call (1.1 s on
+    a 2-core CPU, paid by the first request of every `kiln serve`). Dynamo never runs these
+    implementations (it records the op whole), so each is marked as already wrapped. A torch that
+    wraps differently leaves the attribute unread."""
+    from torch._library.custom_ops import OPDEFS
+
+    for name, opdef in list(OPDEFS.items()):
+        if name.startswith("kiln::"):
+            for backend in opdef._backend_fns.values():
+                inner = getattr(backend, "__wrapped__", None)
+                if inner is not None and not hasattr(inner, "__dynamo_disable"):
+                    setattr(inner, "__dynamo_disable", inner)
+
+
 _register_triton_kernels()
+_no_lazy_dynamo_import()

@@ -40,3 +40,18 @@ CASES = {
 def test_opcheck(name):
     op, make_args = CASES[name]
     opcheck(op.default, make_args(), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_calling_an_op_does_not_import_dynamo():
+    """torch's custom ops import torch._dynamo on their first call (about a second): not kiln's, so
+    the first request of a served artifact does not pay it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, kiln.kernels\n"
+            "x = torch.randn(3, 8)\n"
+            "torch.ops.kiln.rms_norm(x, torch.ones(8), 1e-6)\n"
+            "torch.ops.kiln.quant_int8(x, None)\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False"]
