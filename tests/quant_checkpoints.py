@@ -80,10 +80,10 @@ def write_compressed(src: Path, out: Path, scheme: str, per_tensor: bool = False
         base = name[: -len(".weight")]
         if per_tensor:
             s = (w.abs().amax() / QMAX[scheme]).reshape(1)
-            q = (w / s).round().clamp(-127, 127).to(torch.int8) if scheme == "int8" else (w / s).to(SCHEMES[scheme])
+            q = (w / s).round().clamp(-127, 127).to(torch.int8) if scheme == "int8" else (w / s).to(SCHEMES[scheme].dtype)
             tensors[f"{base}.weight_scale"] = s
         else:
-            q, s = quantize_weight(w, SCHEMES[scheme])
+            q, s = quantize_weight(w, SCHEMES[scheme].dtype)
             tensors[f"{base}.weight_scale"] = s.reshape(-1, 1)
         tensors[f"{base}.weight"] = q.contiguous()
         if input_amax is not None:

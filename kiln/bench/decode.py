@@ -18,7 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from kiln.config import DTYPES
+from kiln.config import DTYPES, LM_HEAD_QUANTIZATIONS, QUANTIZATIONS
 from kiln.errors import KilnError
 
 BANDWIDTH_BYTES = 512 << 20
@@ -91,8 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "absent")
     parser.add_argument("--cache-dir", metavar="DIR", help="artifact cache (default $KILN_CACHE, else ~/.cache/kiln)")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="default auto: the checkpoint's")
-    parser.add_argument("--quantization", choices=["int8", "fp8"], help="W8A8 projections")
-    parser.add_argument("--lm-head-quantization", choices=["int8"], help="an int8 LM head")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, help="W8A8 projections (w7a8: 7-bit weight "
+                        "codes)")
+    parser.add_argument("--lm-head-quantization", choices=LM_HEAD_QUANTIZATIONS, help="an int8 LM head")
     parser.add_argument("--threads", type=int, metavar="N", help="CPU threads (default: the physical cores)")
     parser.add_argument("--out", type=Path, metavar="FILE.json", help="write the JSON here too")
 

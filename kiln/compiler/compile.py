@@ -350,7 +350,8 @@ def build_artifact(
     A file lock per key makes concurrent compiles of one model wait for the first and reuse its
     artifact; the artifact appears in one `os.replace`, so a crash leaves nothing half-written.
     """
-    manager = PassManager(compile_config.passes, passes, tensor_parallel_size=model.layout.world_size)
+    manager = PassManager(compile_config.passes, passes, tensor_parallel_size=model.layout.world_size,
+                          quantization=getattr(model, "quantization", None))
     factors = model_factors(model, compile_config, passes)
     key = cache_key(factors)
     cache_dir = Path(cache_dir)

@@ -1,6 +1,6 @@
 """Projections on weights packed once at load time into the layout a CPU kernel wants: oneDNN's
 blocked float GEMM, its int8 GEMM (VNNI or AMX where the CPU has them), and fbgemm's int8 GEMM (fast
-on AVX2 CPUs without VNNI, made exact there by splitting the activations).
+on AVX2 CPUs without VNNI, made exact there by splitting the activations, or by 7-bit weight codes).
 
 The artifact stays independent of the weights: a compiled graph calls these ops on a weight input,
 the manifest records which weights take which format, and the runtime packs them (`pack`) when it
@@ -49,6 +49,12 @@ pair of products in int16 (`vpmaddubsw`), which saturates for 8-bit codes. `fbge
 each int8 code a into 2*hi + lo (hi in [-64, 63], lo in {0, 1}) and runs both halves as rows of one
 GEMM, shifted by this: every code it sees is in [0, 127], where a pair cannot saturate."""
 
+W7A8_MAX = 63
+"""The largest weight code of the W7A8 scheme: full int8 activations shifted to [1, 255] times
+weights in [-63, 63] cannot saturate a pair (2 x 255 x 63 = 32130 < 32767), so fbgemm's kernel
+runs them directly, on half the rows of the split."""
+W7A8_ZERO_POINT = 128
+
 
 def _fbgemm_int8(w: torch.Tensor) -> torch.Tensor:
     """An [N, K] handle (one byte, broadcast) carrying fbgemm's packed weight: the compiled graph
@@ -75,6 +81,7 @@ FORMATS = {f.name: f for f in (
     WeightFormat("onednn", _onednn_float, "oneDNN blocked layout (fp32/bf16), for kiln::onednn_linear"),
     WeightFormat("onednn_int8", _onednn_int8, "oneDNN int8 layout, for kiln::onednn_int8_linear"),
     WeightFormat("fbgemm_int8", _fbgemm_int8, "fbgemm's packed int8 weight, for kiln::fbgemm_int8_linear"),
+    WeightFormat("fbgemm_w7a8", _fbgemm_int8, "fbgemm's packed weight of 7-bit codes, for fbgemm_w7a8_linear"),
     WeightFormat("onednn_fp8_as_fp32", _onednn_fp8_widened,
                  "fp8 codes widened to fp32 once, oneDNN blocked layout, for kiln::onednn_linear"),
 )}
@@ -143,21 +150,24 @@ def join_int8(out: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("kiln::fbgemm_rows_linear", mutates_args=())
-def fbgemm_rows_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """rows @ weight.T in fp32 from exact int32 sums: `rows` [R, K] fp32 holds integers in [-64, 63]
-    (`split_int8`), `weight` [N, K] int8 is packed by the "fbgemm_int8" format or plain. The compiled
-    graph splits and joins around it, where Inductor fuses both into the loops beside."""
+def fbgemm_rows_linear(rows: torch.Tensor, weight: torch.Tensor,
+                       zero_point: int = FBGEMM_ZERO_POINT) -> torch.Tensor:
+    """rows @ weight.T in fp32 from int32 sums: `rows` [R, K] fp32 holds integers that fbgemm takes as
+    unsigned codes `rows + zero_point`, `weight` [N, K] int8 is packed by an fbgemm format or plain.
+    Exact for rows in [-64, 63] at the default zero point (`split_int8`: the compiled graph splits and
+    joins around it, where Inductor fuses both into the loops beside), and for int8 rows at
+    W7A8_ZERO_POINT when every weight code is within W7A8_MAX."""
     if hasattr(weight, "fbgemm_packed"):
         packed = weight.fbgemm_packed
     elif weight.stride() == (0, 0):  # a handle whose packed weight did not come with it: its codes are not here
         raise RuntimeError("kiln::fbgemm_rows_linear got an fbgemm_int8 handle without its packed weight")
     else:
         packed = _fbgemm_prepack(weight)
-    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(rows, 1.0, FBGEMM_ZERO_POINT, packed)
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(rows, 1.0, zero_point, packed)
 
 
 @fbgemm_rows_linear.register_fake
-def _(rows, weight):
+def _(rows, weight, zero_point=FBGEMM_ZERO_POINT):
     return rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
@@ -167,6 +177,12 @@ def fbgemm_int8_linear(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     saturate on full 8-bit codes, so the codes are split in two (FBGEMM_ZERO_POINT) and the M rows
     become 2M; at decode sizes the GEMM streams the weight once either way."""
     return join_int8(ops.fbgemm_rows_linear(split_int8(a), weight))
+
+
+def fbgemm_w7a8_linear(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """a @ weight.T in fp32 from exact int32 sums, for weights whose codes are within W7A8_MAX (the
+    "w7a8" scheme): `a` [M, K] int8 codes go to fbgemm whole, one row each."""
+    return ops.fbgemm_rows_linear(a.float(), weight, W7A8_ZERO_POINT)
 
 
 @functools.cache

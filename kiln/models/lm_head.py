@@ -4,20 +4,22 @@ model's decode step (Qwen2.5-0.5B's is 545 MB in fp32, more than a third of what
 `PackedHead` runs it on a oneDNN-packed copy of the weight (what a CPU artifact asks for when the
 compiler measured it faster). `Int8Head` is the opt-in int8 head (`LLM(lm_head_quantization="int8")`,
 `--lm-head-quantization int8`): weights per output channel, activations per token, a quarter of
-fp32's bytes; its effect on greedy agreement is what `benchmarks/quantization.py` reports.
+fp32's bytes; its effect on greedy agreement is what `benchmarks/quantization.py` reports. "w7a8"
+keeps 7-bit weight codes, which fbgemm multiplies on CPUs without VNNI without splitting the rows.
 """
 
 import logging
 
 import torch
 
+from kiln.config import LM_HEAD_QUANTIZATIONS
 from kiln.errors import KilnError
 from kiln.kernels import packed_linear, quantize_weight
 
 logger = logging.getLogger(__name__)
 ops = torch.ops.kiln
 
-LM_HEAD_SCHEMES = ("int8",)
+LM_HEAD_SCHEMES = LM_HEAD_QUANTIZATIONS
 
 
 class PackedHead:
@@ -33,14 +35,16 @@ class PackedHead:
 class Int8Head:
     """W8A8 logits: per-token int8 activations x per-channel int8 weights, int32 accumulation, fp32
     out. On a CPU the weight is packed for oneDNN's int8 GEMM where it is exact (VNNI), else for
-    fbgemm's; elsewhere torch._int_mm runs it."""
+    fbgemm's (split rows for 8-bit codes, whole ones for 7-bit codes: `weight_max` 63); elsewhere
+    torch._int_mm runs it."""
 
-    def __init__(self, weight: torch.Tensor):
-        codes, self.scale = quantize_weight(weight.detach(), torch.int8)
+    def __init__(self, weight: torch.Tensor, weight_max: float | None = None):
+        codes, self.scale = quantize_weight(weight.detach(), torch.int8, weight_max)
         self.kernel = None
         if codes.device.type == "cpu":
+            fbgemm = "fbgemm_w7a8" if weight_max is not None and weight_max <= packed_linear.W7A8_MAX else "fbgemm_int8"
             self.kernel = "onednn_int8" if packed_linear.int8_gemm_exact() else \
-                "fbgemm_int8" if packed_linear.fbgemm_available() else None
+                fbgemm if packed_linear.fbgemm_available() else None
         self.codes = packed_linear.pack(self.kernel, codes) if self.kernel else codes
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -49,14 +53,17 @@ class Int8Head:
             return ops.onednn_int8_linear(packed_linear.shift_int8(a), self.codes, self.scale).mul_(a_scale)
         if self.kernel == "fbgemm_int8":
             return packed_linear.fbgemm_int8_linear(a, self.codes).mul_(a_scale).mul_(self.scale)
+        if self.kernel == "fbgemm_w7a8":
+            return packed_linear.fbgemm_w7a8_linear(a, self.codes).mul_(a_scale).mul_(self.scale)
         return ops.scaled_mm(a, self.codes, a_scale, self.scale, torch.float32, None)
 
 
 def quantize_lm_head(model, scheme: str) -> None:
-    """Give `model` (a CausalLM with its weights loaded) an int8 LM head, in place."""
+    """Give `model` (a CausalLM with its weights loaded) an int8 LM head ("int8", or "w7a8": 7-bit
+    weight codes), in place."""
     if scheme not in LM_HEAD_SCHEMES:
         raise KilnError(f"unknown LM head quantization {scheme!r}; choose from {', '.join(LM_HEAD_SCHEMES)}")
     weight = model.lm_head_weight()
-    model.lm_head_kernel = Int8Head(weight)
-    logger.info("LM head quantized to int8 (%d x %d): %.0f MB instead of %.0f MB", *weight.shape,
+    model.lm_head_kernel = Int8Head(weight, float(packed_linear.W7A8_MAX) if scheme == "w7a8" else None)
+    logger.info("LM head quantized to %s (%d x %d): %.0f MB instead of %.0f MB", scheme, *weight.shape,
                 weight.numel() / 1e6, weight.numel() * weight.element_size() / 1e6)

@@ -56,7 +56,7 @@ TIME_BUDGET_S = 0.1
 class GemmChoice:
     """One weight signature's decision: the median milliseconds of each candidate at each count."""
 
-    kind: str  # "float" (mm/addmm), "int8" or "fp8" (scaled_mm)
+    kind: str  # "float" (mm/addmm), "int8", "w7a8" (int8 with 7-bit weight codes) or "fp8" (scaled_mm)
     shape: tuple[int, int]  # the weight's [N, K]
     dtype: str
     kernel: str  # "aten" (the weight as loaded), "widened" (int8), or the name of the packed format chosen
@@ -100,19 +100,24 @@ Timer = Callable[[Callable, Sequence], float]
 """timer(fn, args) -> milliseconds of fn(*args); `fn.kernel` names the kernel it calls (see GemmChoice.kernel)."""
 
 
+INT8_KINDS = ("int8", "w7a8")
+
+
 class GemmChooser:
     """Rewrites a graph's projections to the kernels that measure fastest for a size range. Each
-    (signature, token counts) is measured once per compile and remembered."""
+    (signature, token counts) is measured once per compile and remembered. `quantization` is the
+    model's scheme: "w7a8" weights are int8 tensors whose codes admit more kernels."""
 
-    def __init__(self, timer: Timer | None = None):
+    def __init__(self, timer: Timer | None = None, quantization: str | None = None):
         self.timer = timer
+        self.int8_kind = "w7a8" if quantization == "w7a8" else "int8"
         self._decided: dict[tuple[_Signature, tuple[int, ...]], GemmChoice] = {}
 
     def decisions(self, graph: fx.Graph, size_range: tuple[int, int]) -> tuple[tuple[_Signature, str], ...]:
         """Each projection signature in `graph` and the kernel it gets for `size_range` (measured
         now if new): what tells whether two ranges can share one graph."""
         tokens = measured_tokens(size_range)
-        return tuple((sig, self.choose(sig, tokens).kernel) for sig in _sites(graph))
+        return tuple((sig, self.choose(sig, tokens).kernel) for sig in _sites(graph, self.int8_kind))
 
     def __call__(self, graph: fx.Graph, size_range: tuple[int, int]) -> tuple[list[GemmChoice], dict[str, str]]:
         """Rewrite `graph` in place for `size_range`; returns its choices and each packed weight's
@@ -120,11 +125,11 @@ class GemmChooser:
         tokens = measured_tokens(size_range)
         formats: dict[str, str] = {}
         choices = []
-        for sig, nodes in _sites(graph).items():
+        for sig, nodes in _sites(graph, self.int8_kind).items():
             choice = self.choose(sig, tokens)
             choices.append(_with_calls(choice, len(nodes)))
             packed = choice.kernel in packed_linear.FORMATS
-            if not packed and sig.kind != "int8":  # torch's GEMM is what the graph calls already
+            if not packed and sig.kind not in INT8_KINDS:  # torch's GEMM is what the graph calls already
                 continue
             for node, weight in nodes:
                 _REWRITES[sig.kind](graph, node, weight, choice.kernel)
@@ -143,11 +148,11 @@ class GemmChooser:
         return self._decided[sig, tokens]
 
 
-def _sites(graph: fx.Graph) -> dict[_Signature, list[tuple[fx.Node, fx.Node]]]:
+def _sites(graph: fx.Graph, int8_kind: str = "int8") -> dict[_Signature, list[tuple[fx.Node, fx.Node]]]:
     """The projections of weight inputs that only projections read, by signature: (node, weight)."""
     sites: dict[_Signature, list[tuple[fx.Node, fx.Node]]] = {}
     for node in graph.nodes:
-        site = _site(node)
+        site = _site(node, int8_kind)
         if site is not None and _only_read_by_gemms(site[1]):
             sites.setdefault(site[0], []).append((node, site[1]))
     return sites
@@ -163,8 +168,9 @@ def _with_calls(choice: GemmChoice, calls: int) -> GemmChoice:
     return GemmChoice(**{**asdict(choice), "calls": calls})
 
 
-def _site(node: fx.Node) -> tuple[_Signature, fx.Node] | None:
-    """A projection of a weight input on the CPU: (its signature, the weight's placeholder)."""
+def _site(node: fx.Node, int8_kind: str = "int8") -> tuple[_Signature, fx.Node] | None:
+    """A projection of a weight input on the CPU: (its signature, the weight's placeholder); int8
+    weights are of `int8_kind`."""
     if node.op != "call_function":
         return None
     if node.target is ops.scaled_mm.default:
@@ -172,7 +178,7 @@ def _site(node: fx.Node) -> tuple[_Signature, fx.Node] | None:
         if not _is_cpu_input(weight):
             return None
         val = weight.meta["val"]
-        kind = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}.get(val.dtype)
+        kind = {torch.int8: int8_kind, torch.float8_e4m3fn: "fp8"}.get(val.dtype)
         bias = len(node.args) > 5 and node.args[5] is not None or node.kwargs.get("bias") is not None
         return (_Signature(kind, tuple(val.shape), val.dtype, bias, node.args[4]), weight) if kind else None
     if node.target is aten.mm.default:
@@ -262,7 +268,10 @@ def _rewrite_int8(graph: fx.Graph, node: fx.Node, weight: fx.Node, kernel: str) 
     Inductor to fuse."""
     a, _, a_scale, b_scale, out_dtype, bias = _scaled_mm_args(node)
     with graph.inserting_before(node):
-        if kernel == "fbgemm_int8":  # packed_linear.fbgemm_int8_linear, its split and join in the graph
+        if kernel == "fbgemm_w7a8":  # packed_linear.fbgemm_w7a8_linear
+            rows = _insert(graph, aten._to_copy.default, (a,), {"dtype": torch.float32})
+            out = _insert(graph, ops.fbgemm_rows_linear.default, (rows, weight, packed_linear.W7A8_ZERO_POINT))
+        elif kernel == "fbgemm_int8":  # packed_linear.fbgemm_int8_linear, its split and join in the graph
             half = _insert(graph, aten.div.Tensor_mode, (a, 2), {"rounding_mode": "floor"})
             rest = _insert(graph, aten.sub.Tensor, (a, _insert(graph, aten.mul.Tensor, (half, 2))))
             halves = _insert(graph, aten.cat.default, ([half, rest],))
@@ -299,10 +308,11 @@ def _rewrite_fp8(graph: fx.Graph, node: fx.Node, weight: fx.Node, kernel: str) -
     graph.erase_node(node)
 
 
-_REWRITES = {"float": _rewrite_float, "int8": _rewrite_int8, "fp8": _rewrite_fp8}
-_CANDIDATES = {"float": ("onednn",), "int8": ("onednn_int8", "fbgemm_int8", "widened"), "fp8": ("onednn_fp8_as_fp32",)}
-"""Per kind, the kernels tried against torch's GEMM: packed formats (`packed_linear.FORMATS`), and for
-int8 "widened", codes widened to fp32 per call for torch's float GEMM (exact: integer products, and
+_REWRITES = {"float": _rewrite_float, "int8": _rewrite_int8, "w7a8": _rewrite_int8, "fp8": _rewrite_fp8}
+_CANDIDATES = {"float": ("onednn",), "int8": ("onednn_int8", "fbgemm_int8", "widened"),
+               "w7a8": ("onednn_int8", "fbgemm_w7a8", "widened"), "fp8": ("onednn_fp8_as_fp32",)}
+"""Per kind, the kernels tried against torch's GEMM: packed formats (`packed_linear.FORMATS`; "w7a8"
+weights run fbgemm's int8 GEMM without the split that 8-bit codes need), and for int8 "widened", codes widened to fp32 per call for torch's float GEMM (exact: integer products, and
 sums as exact as the int32 ones converted): where a CPU's int8 GEMMs are slow, large prefill chunks
 compute faster so."""
 
@@ -326,7 +336,7 @@ def _unavailable(sig: _Signature, candidate: str) -> str | None:
         return "this torch is built without oneDNN"
     if candidate == "onednn_int8" and not packed_linear.int8_gemm_exact():
         return "oneDNN's int8 GEMM saturates on this CPU (no VNNI)"
-    if candidate == "fbgemm_int8" and not packed_linear.fbgemm_available():
+    if candidate.startswith("fbgemm") and not packed_linear.fbgemm_available():
         return "this torch has no fbgemm quantized linear"
     return None
 
@@ -382,8 +392,9 @@ def _act_dtype(sig: _Signature) -> torch.dtype:
 
 def _random_weight(sig: _Signature, generator: torch.Generator) -> torch.Tensor:
     n, k = sig.shape
-    if sig.kind == "int8":
-        return torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8)
+    if sig.kind in INT8_KINDS:
+        top = packed_linear.W7A8_MAX if sig.kind == "w7a8" else 127
+        return torch.randint(-top, top + 1, (n, k), generator=generator, dtype=torch.int8)
     w = torch.randn(n, k, generator=generator) * 0.05
     return w.to(sig.dtype)
 
@@ -417,11 +428,13 @@ def _runner(sig: _Signature, kernel: str, weights: list[torch.Tensor], scale: to
         if kernel == "aten":
             return (lambda x: torch.addmm(bias, x, weight().t())) if bias is not None else (lambda x: x @ weight().t())
         return lambda x: ops.onednn_linear(x, weight(), bias)
-    if sig.kind == "int8":  # the GEMMs alone: the graph fuses the shift and the epilogue into other loops
+    if sig.kind in INT8_KINDS:  # the GEMMs alone: the graph fuses the shift and the epilogue into other loops
         if kernel == "aten":
             return lambda a, s: torch._int_mm(a, weight().t())
         if kernel == "fbgemm_int8":
             return lambda a, s: packed_linear.fbgemm_int8_linear(a, weight())
+        if kernel == "fbgemm_w7a8":
+            return lambda a, s: packed_linear.fbgemm_w7a8_linear(a, weight())
         if kernel == "widened":
             return lambda a, s: a.float() @ weight().float().t()
         return lambda a, s: ops.onednn_int8_linear(packed_linear.shift_int8(a), weight())
@@ -438,7 +451,7 @@ def _runner(sig: _Signature, kernel: str, weights: list[torch.Tensor], scale: to
 def _differs(sig: _Signature, runs: dict[str, Callable], generator: torch.Generator) -> str | None:
     """Why the candidate's numbers are not the baseline's (both on the same weight copy), or None."""
     x = _random_input(sig, 7, generator)
-    if sig.kind == "int8":  # the extreme codes, where a saturating kernel goes wrong
+    if sig.kind in INT8_KINDS:  # the extreme codes, where a saturating kernel goes wrong
         x[0] = torch.where(torch.rand(x[0].shape, generator=generator) < 0.5, 127, -127).to(torch.int8)
     ref, got = (run(*x).float() for run in runs.values())
     tolerance = 1e-4 if sig.dtype.itemsize >= 4 or sig.kind != "float" else 2e-2

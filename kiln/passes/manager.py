@@ -67,10 +67,11 @@ def load_pass(spec: str) -> GraphPass:
 
 
 class PassManager:
-    """Runs the configured pipeline on a traced graph, in order, and names it for the cache key."""
+    """Runs the configured pipeline on a traced graph, in order, and names it for the cache key.
+    `quantization` is the model's scheme, which tells the CPU GEMM choice what its int8 weights hold."""
 
     def __init__(self, config: PassConfig | None = None, custom: Sequence[GraphPass] = (),
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, quantization: str | None = None):
         config = config or PassConfig()
         builtin: list[tuple[bool, GraphPass]] = [
             (config.noop_elimination, NoOpElimination()),
@@ -84,7 +85,7 @@ class PassManager:
         self.passes: list[GraphPass] = [p for on, p in builtin if on] + self.custom
         self.gemms: GemmChooser | None = None
         if config.lowering:
-            self.gemms = GemmChooser() if config.gemm_choice else None
+            self.gemms = GemmChooser(quantization=quantization) if config.gemm_choice else None
             self.passes.append(Lowering(choose=config.kernel_choice, gemms=self.gemms))
         self.passes.append(DeadCodeElimination())
         names = [p.name for p in self.passes]

@@ -73,6 +73,24 @@ def test_fbgemm_int8_linear_is_exact_where_a_pairwise_sum_would_saturate(rows):
         assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_fbgemm_w7a8_linear_is_exact_on_7_bit_weights_and_full_int8_activations(rows):
+    if not packed_linear.fbgemm_available():
+        pytest.skip("this torch has no fbgemm quantized linear")
+    torch.manual_seed(0)
+    k, top = 2000, packed_linear.W7A8_MAX
+    a = torch.randint(-127, 128, (rows, k), dtype=torch.int8)
+    a[0] = 127  # shifted to 255: 255 x 63 twice is the largest pair, just inside int16
+    a[-1, ::2] = -127
+    w = torch.randint(-top, top + 1, (48, k), dtype=torch.int8)
+    w[1], w[2] = -top, top
+    ref = (a.double() @ w.double().t()).float()
+    for weight in (packed_linear.pack("fbgemm_w7a8", w), w):
+        out = packed_linear.fbgemm_w7a8_linear(a, weight)
+        assert out.dtype == torch.float32 and out.shape == (rows, 48)
+        assert torch.equal(out, ref)
+
+
 def test_int8_shift_round_trips_every_code():
     codes = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
     shifted = packed_linear.shift_int8(codes)
@@ -99,3 +117,10 @@ def test_lm_heads_match_the_plain_matmul():
     # per-token activations and per-channel weights at 8 bits: within ~1% of the logits' spread
     assert ((int8 - ref).abs().max() / ref.abs().max()).item() < 0.02
     assert torch.equal(int8.argmax(-1), ref.argmax(-1))
+    w7 = Int8Head(weight, packed_linear.W7A8_MAX)
+    assert w7.kernel == ("onednn_int8" if packed_linear.int8_gemm_exact() else  # torch._int_mm's numbers on 7-bit codes
+                         "fbgemm_w7a8" if packed_linear.fbgemm_available() else None)
+    plain = Int8Head(weight, packed_linear.W7A8_MAX)
+    plain.kernel, plain.codes = None, quantize_weight(weight, torch.int8, packed_linear.W7A8_MAX)[0]
+    torch.testing.assert_close(w7(hidden), plain(hidden), atol=1e-5, rtol=1e-5)
+    assert ((w7(hidden) - ref).abs().max() / ref.abs().max()).item() < 0.04

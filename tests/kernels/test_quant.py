@@ -52,6 +52,17 @@ def test_scaled_mm_matches_dequantized_matmul(kind, rows):
     assert ((out - (x @ w.T + bias)).norm() / (x @ w.T + bias).norm()) < (0.02 if kind == "int8" else 0.06)
 
 
+def test_weight_codes_stay_within_the_given_bound():
+    w = torch.randn(40, 300) * 0.05
+    w[3, 7] = 2.0  # one outlier sets its row's scale
+    q, s = quantize_weight(w, torch.int8, 63)
+    assert q.dtype == torch.int8 and q.abs().amax(dim=1).tolist() == [63] * 40
+    torch.testing.assert_close(s, w.abs().amax(dim=1) / 63)
+    torch.testing.assert_close(q.float() * s[:, None], w, atol=s.max().item() / 2, rtol=0)
+    q8, s8 = quantize_weight(w, torch.int8)
+    assert q8.abs().amax().item() == 127 and (q.float() * s[:, None] - w).norm() > (q8.float() * s8[:, None] - w).norm()
+
+
 @pytest.mark.parametrize("kind", QUANTS)
 def test_quant_ops_pass_opcheck(kind):
     quant, dtype, _ = QUANTS[kind]

@@ -76,32 +76,33 @@ def test_slower_kernel_is_not_chosen(traced_graphs):
     assert traced.graph.code == before
 
 
-QUANT_KERNELS = [(scheme, kernel) for scheme in SCHEMES
-                 for kernel in (("onednn_int8", "fbgemm_int8", "widened") if scheme.startswith("int8")
-                                else ("onednn_fp8_as_fp32",))]
+QUANT_KERNELS = [(scheme, kernel) for scheme in SCHEMES + ["w7a8"]
+                 for kernel in gemm_choice._CANDIDATES[scheme.split("-")[0]]]
 OPS = {"onednn_int8": ops.onednn_int8_linear, "fbgemm_int8": ops.fbgemm_rows_linear, "widened": aten.mm,
-       "onednn_fp8_as_fp32": ops.onednn_linear}
+       "fbgemm_w7a8": ops.fbgemm_rows_linear, "onednn_fp8_as_fp32": ops.onednn_linear}
 
 
 @pytest.mark.parametrize("scheme,kernel", QUANT_KERNELS)
 def test_quantized_projections_move_to_packed_weights(quantized_llms, traced_graphs, scheme, kernel):
     llm, traced = quantized_llms[scheme], fresh(traced_graphs[scheme])
     layers = llm.model_config.num_layers
-    sig = gemm_choice._Signature(scheme.split("-")[0], (8, 8), torch.int8, False)
+    kind = scheme.split("-")[0]
+    sig = gemm_choice._Signature(kind, (8, 8), torch.int8, False)
     if (why := gemm_choice._unavailable(sig, kernel)) is not None:
         pytest.skip(f"{kernel}: {why}: never chosen here")
-    choices, formats = GemmChooser(timer=packed_faster(fastest=kernel))(traced.graph.graph, (1, 16))
+    chooser = GemmChooser(timer=packed_faster(fastest=kernel), quantization=kind)
+    choices, formats = chooser(traced.graph.graph, (1, 16))
     traced.graph.recompile()
     graph = traced.graph.graph
     assert count_ops(graph, ops.scaled_mm) == 0
     assert count_ops(graph, OPS[kernel]) == 4 * layers
     packed = {kernel} if kernel in packed_linear.FORMATS else set()  # widened reads the int8 weight as loaded
-    assert {c.kind for c in choices} == {scheme.split("-")[0]} and set(formats.values()) == packed
+    assert {c.kind for c in choices} == {kind} and set(formats.values()) == packed
     assert {c.kernel for c in choices} == {kernel}
     # int8: the same int32 sums and scale products as scaled_mm. fp8: oneDNN sums the fp32 products in
     # another order than torch's GEMM, and a requantized activation can round the other way (one fp8
     # step is 1/16 of a value): up to 8e-4 measured on an AVX2 EPYC, 1e-4 on an AVX512 one
-    atol = 1e-5 if scheme.startswith("int8") else 2e-3
+    atol = 1e-5 if kind in gemm_choice.INT8_KINDS else 2e-3
     assert_same_outputs(llm, traced, traced_graphs[scheme], _weight_names(traced, formats), atol)
 
 
