@@ -35,7 +35,8 @@ QWEN25_05B = dict(
 
 VARIANTS = {"int8": {"quantization": "int8"}, "w7a8": {"quantization": "w7a8"},
             "fp8": {"quantization": "fp8"}, "lm_head_int8": {"lm_head_quantization": "int8"},
-            "int8+lm_head_int8": {"quantization": "int8", "lm_head_quantization": "int8"}}
+            "int8+lm_head_int8": {"quantization": "int8", "lm_head_quantization": "int8"},
+            "w7a8+lm_head_w7a8": {"quantization": "w7a8", "lm_head_quantization": "w7a8"}}
 """What accuracy() compares with full precision: W8A8 (and W7A8) projections, the int8 LM head, and both."""
 
 
@@ -90,7 +91,8 @@ def accuracy(work: Path) -> dict:
             if "lm_head_quantization" in options:
                 h = torch.cat(hidden)
                 ref = h @ full.model.lm_head_weight().t()
-                err = (Int8Head(full.model.lm_head_weight())(h) - ref).norm() / ref.norm()
+                head = Int8Head(full.model.lm_head_weight(), SCHEMES[options["lm_head_quantization"]].weight_max)
+                err = (head(h) - ref).norm() / ref.norm()
                 results[f"{arch}/{scheme}"]["lm_head_rel_error"] = round(err.item(), 4)
             print(arch, scheme, results[f"{arch}/{scheme}"], flush=True)
     return results
