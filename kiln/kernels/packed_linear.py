@@ -58,7 +58,7 @@ W7A8_ZERO_POINT = 128
 
 def _fbgemm_int8(w: torch.Tensor) -> torch.Tensor:
     """An [N, K] handle (one byte, broadcast) carrying fbgemm's packed weight: the compiled graph
-    passes tensors only, and hands this one to `kiln::fbgemm_int8_linear` untouched."""
+    passes tensors only, and hands this one to `kiln::fbgemm_rows_linear` untouched."""
     handle = torch.zeros((), dtype=torch.int8).expand(w.shape)
     handle.fbgemm_packed = _fbgemm_prepack(w)
     return handle
@@ -80,7 +80,7 @@ def _fbgemm_prepack(w: torch.Tensor):
 FORMATS = {f.name: f for f in (
     WeightFormat("onednn", _onednn_float, "oneDNN blocked layout (fp32/bf16), for kiln::onednn_linear"),
     WeightFormat("onednn_int8", _onednn_int8, "oneDNN int8 layout, for kiln::onednn_int8_linear"),
-    WeightFormat("fbgemm_int8", _fbgemm_int8, "fbgemm's packed int8 weight, for kiln::fbgemm_int8_linear"),
+    WeightFormat("fbgemm_int8", _fbgemm_int8, "fbgemm's packed int8 weight, for fbgemm_int8_linear"),
     WeightFormat("fbgemm_w7a8", _fbgemm_int8, "fbgemm's packed weight of 7-bit codes, for fbgemm_w7a8_linear"),
     WeightFormat("onednn_fp8_as_fp32", _onednn_fp8_widened,
                  "fp8 codes widened to fp32 once, oneDNN blocked layout, for kiln::onednn_linear"),

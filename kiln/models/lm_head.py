@@ -15,11 +15,10 @@ import torch
 from kiln.config import LM_HEAD_QUANTIZATIONS
 from kiln.errors import KilnError
 from kiln.kernels import packed_linear, quantize_weight
+from kiln.models.quantization import SCHEMES
 
 logger = logging.getLogger(__name__)
 ops = torch.ops.kiln
-
-LM_HEAD_SCHEMES = LM_HEAD_QUANTIZATIONS
 
 
 class PackedHead:
@@ -42,7 +41,8 @@ class Int8Head:
         codes, self.scale = quantize_weight(weight.detach(), torch.int8, weight_max)
         self.kernel = None
         if codes.device.type == "cpu":
-            fbgemm = "fbgemm_w7a8" if weight_max is not None and weight_max <= packed_linear.W7A8_MAX else "fbgemm_int8"
+            seven_bit = weight_max is not None and weight_max <= packed_linear.W7A8_MAX
+            fbgemm = "fbgemm_w7a8" if seven_bit else "fbgemm_int8"
             self.kernel = "onednn_int8" if packed_linear.int8_gemm_exact() else \
                 fbgemm if packed_linear.fbgemm_available() else None
         self.codes = packed_linear.pack(self.kernel, codes) if self.kernel else codes
@@ -61,9 +61,9 @@ class Int8Head:
 def quantize_lm_head(model, scheme: str) -> None:
     """Give `model` (a CausalLM with its weights loaded) an int8 LM head ("int8", or "w7a8": 7-bit
     weight codes), in place."""
-    if scheme not in LM_HEAD_SCHEMES:
-        raise KilnError(f"unknown LM head quantization {scheme!r}; choose from {', '.join(LM_HEAD_SCHEMES)}")
+    if scheme not in LM_HEAD_QUANTIZATIONS:
+        raise KilnError(f"unknown LM head quantization {scheme!r}; choose from {', '.join(LM_HEAD_QUANTIZATIONS)}")
     weight = model.lm_head_weight()
-    model.lm_head_kernel = Int8Head(weight, float(packed_linear.W7A8_MAX) if scheme == "w7a8" else None)
+    model.lm_head_kernel = Int8Head(weight, SCHEMES[scheme].weight_max)
     logger.info("LM head quantized to %s (%d x %d): %.0f MB instead of %.0f MB", scheme, *weight.shape,
                 weight.numel() / 1e6, weight.numel() * weight.element_size() / 1e6)

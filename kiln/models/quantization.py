@@ -30,7 +30,8 @@ class Scheme:
     weight_max: float | None = None
 
 
-SCHEMES = {"int8": Scheme(torch.int8), "w7a8": Scheme(torch.int8, float(packed_linear.W7A8_MAX)), "fp8": Scheme(torch.float8_e4m3fn)}
+SCHEMES = {"int8": Scheme(torch.int8), "w7a8": Scheme(torch.int8, float(packed_linear.W7A8_MAX)),
+           "fp8": Scheme(torch.float8_e4m3fn)}
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 

@@ -6,10 +6,10 @@ measurement per weight shape and kind, and recorded with the format each weight 
 Each size range is decided at its own token counts (its bounds, and a decode batch of 16 where the
 range holds it), the way the CUDA kernel choice is: small decode batches read weights and large ones
 compute, and the kernel that wins differs. On CPU the compile cuts the dynamic token range after
-SMALL_BATCH and DECODE_BATCH tokens for that; ranges whose decisions agree share one graph. A candidate must first give
-the baseline's numbers (an int8 kernel that saturates on this CPU is never chosen); of those faster
-than the baseline at every count measured, the fastest in total wins. fp8 weights are always widened and packed once (torch's
-form widens them on every call); projections too small to time apart keep torch's GEMM. A weight two
+SMALL_BATCH and DECODE_BATCH tokens for that; ranges whose decisions agree share one graph. A
+candidate must first give the baseline's numbers (an int8 kernel that saturates on this CPU is never
+chosen); of those faster than the baseline at every count measured, the fastest in total wins. fp8
+weights are always widened and packed once (torch's form widens them on every call); projections too small to time apart keep torch's GEMM. A weight two
 variants read in two formats is packed (or kept) in both.
 """
 
@@ -282,8 +282,8 @@ def _rewrite_int8(graph: fx.Graph, node: fx.Node, weight: fx.Node, kernel: str) 
             out = _insert(graph, aten.add.Tensor, (_insert(graph, aten.mul.Tensor, (hi, 2)), lo))
         elif kernel == "widened":
             wide = _insert(graph, aten._to_copy.default, (weight,), {"dtype": torch.float32})
-            out = _insert(graph, aten.mm.default, (_insert(graph, aten._to_copy.default, (a,), {"dtype": torch.float32}),
-                                                   _insert(graph, aten.t.default, (wide,))))
+            rows = _insert(graph, aten._to_copy.default, (a,), {"dtype": torch.float32})
+            out = _insert(graph, aten.mm.default, (rows, _insert(graph, aten.t.default, (wide,))))
         elif kernel == "onednn_int8":
             wide = _insert(graph, aten._to_copy.default, (a,), {"dtype": torch.int16})
             shifted = _insert(graph, aten.add.Tensor, (wide, packed_linear.INT8_ZERO_POINT))
@@ -312,7 +312,8 @@ _REWRITES = {"float": _rewrite_float, "int8": _rewrite_int8, "w7a8": _rewrite_in
 _CANDIDATES = {"float": ("onednn",), "int8": ("onednn_int8", "fbgemm_int8", "widened"),
                "w7a8": ("onednn_int8", "fbgemm_w7a8", "widened"), "fp8": ("onednn_fp8_as_fp32",)}
 """Per kind, the kernels tried against torch's GEMM: packed formats (`packed_linear.FORMATS`; "w7a8"
-weights run fbgemm's int8 GEMM without the split that 8-bit codes need), and for int8 "widened", codes widened to fp32 per call for torch's float GEMM (exact: integer products, and
+weights run fbgemm's int8 GEMM without the split that 8-bit codes need), and for int8 "widened",
+codes widened to fp32 per call for torch's float GEMM (exact: integer products, and
 sums as exact as the int32 ones converted): where a CPU's int8 GEMMs are slow, large prefill chunks
 compute faster so."""
 
@@ -363,7 +364,8 @@ def _measure(sig: _Signature, tokens: tuple[int, ...], timer: Timer) -> GemmChoi
         problem = _unavailable(sig, candidate)
         if problem is None:
             try:
-                packed = [packed_linear.pack(candidate, w) for w in plain] if candidate in packed_linear.FORMATS else plain
+                packed = [packed_linear.pack(candidate, w) for w in plain] \
+                    if candidate in packed_linear.FORMATS else plain
             except RuntimeError as e:
                 problem = f"packing failed: {e}"
         if problem is None:
