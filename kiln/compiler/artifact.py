@@ -28,6 +28,7 @@ import platform
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -38,8 +39,8 @@ from kiln.compiler import atomic, usage
 from kiln.compiler.aoti import CALLS_SUFFIX, LIBRARY_SUFFIX, LoadedLibrary
 from kiln.compiler.counters import counters
 from kiln.compiler.key import python_version, system_info
-from kiln.compiler.program import (ByTokenCount, CompiledProgram, GraphInput, PackedWeights, SizedPiece,
-                                  load_program, pack_weights)
+from kiln.compiler.program import (ByTokenCount, CompiledProgram, GraphInput, PackedWeights, SizedPiece, load_program,
+                                   pack_lm_head, pack_weights)
 from kiln.config import dtype_name
 from kiln.errors import KilnError
 
@@ -357,7 +358,9 @@ def load(path: Path, model: nn.Module) -> CompiledProgram:
 
     inputs = [GraphInput(e["kind"], e["name"], e.get("of"), e.get("dim")) for e in manifest["inputs"]]
     _check_weights(manifest["inputs"], model)
-    packed = pack_weights(inputs, model, [v.get("weight_formats", {}) for v in manifest["variants"]])
+    with ThreadPoolExecutor(1) as pool:  # the LM head packs beside the projections
+        head = pool.submit(pack_lm_head, model, (manifest.get("lm_head") or {}).get("format"))
+        packed = pack_weights(inputs, model, [v.get("weight_formats", {}) for v in manifest["variants"]])
     routes = []
     for i, variant in enumerate(manifest["variants"]):
         pieces = {}
@@ -377,7 +380,7 @@ def load(path: Path, model: nn.Module) -> CompiledProgram:
         routes += [((s, s), forward) for s in variant["sizes"]] + [(tuple(r), forward) for r in variant["ranges"]]
     tokens_at = next(i for i, e in enumerate(manifest["inputs"]) if e["kind"] == "input" and e["name"] == "input_ids")
     logger.info("loaded artifact %s: %d blobs in %.2fs", path.name, len(blobs), time.perf_counter() - start)
-    program = CompiledProgram(ByTokenCount(routes, tokens_at), inputs, model, (manifest.get("lm_head") or {}).get("format"))
+    program = CompiledProgram(ByTokenCount(routes, tokens_at), inputs, model, head.result())
     program.lease = lease  # held while the program lives: `kiln cache prune` leaves this key alone
     return program
 

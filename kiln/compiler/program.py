@@ -128,6 +128,17 @@ def pack_weights(inputs: list[GraphInput], model: nn.Module,
     return [{index[name]: packed[name, fmt] for name, fmt in f.items()} for f in formats]
 
 
+def pack_lm_head(model: nn.Module, format: str | None) -> PackedHead | None:
+    """The model's LM head packed in the `format` an artifact asks for; None for no format, or when
+    the model has an int8 head of its own."""
+    if format is None or getattr(model, "lm_head_kernel", None) is not None:
+        return None
+    start = time.perf_counter()
+    head = PackedHead(model.lm_head_weight(), format)
+    logger.info("packed the LM head in %.2fs", time.perf_counter() - start)
+    return head
+
+
 def program_of(forward: Callable):
     """The stitching program object behind a variant's forward (its attributes are the pieces)."""
     return (forward.forward if isinstance(forward, PackedWeights) else forward).__self__
@@ -146,17 +157,15 @@ class CompiledProgram:
     Weights are bound once here; each call binds only the batch's tensors and sizes.
     """
 
-    def __init__(self, graph: Callable, inputs: list[GraphInput], model: nn.Module, lm_head_format: str | None = None):
+    def __init__(self, graph: Callable, inputs: list[GraphInput], model: nn.Module,
+                 lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.graph, self.inputs = graph, inputs
         weights = dict(model.named_parameters()) | dict(model.named_buffers())
         self._bound = [weights[spec.name] if spec.kind == "weight" else None for spec in inputs]
         self.compute_logits = getattr(model, "compute_logits", None)
-        """Logits of the backbone's hidden states: the model's, with its LM head packed as the artifact asks."""
-        if lm_head_format is not None and getattr(model, "lm_head_kernel", None) is None:  # else: an int8 head
-            start = time.perf_counter()
-            self.compute_logits = functools.partial(model.compute_logits,
-                                                    head=PackedHead(model.lm_head_weight(), lm_head_format))
-            logger.info("packed the LM head in %.2fs", time.perf_counter() - start)
+        """Logits of the backbone's hidden states: the model's, on `lm_head` (`pack_lm_head`) if given."""
+        if lm_head is not None:
+            self.compute_logits = functools.partial(model.compute_logits, head=lm_head)
         self._per_call = [(i, spec) for i, spec in enumerate(inputs) if spec.kind in ("input", "meta", "kv_cache")]
         self._sizes = [(i, spec.of, spec.dim) for i, spec in enumerate(inputs) if spec.kind == "size"]
         self.capture_sizes: tuple[int, ...] = ()

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -132,6 +133,29 @@ def _read(f: SafetensorsFile, name: str, shard: Shard | None, rows: int, path: P
     return tensor
 
 
+def _load_tensor(f: SafetensorsFile, name: str, model: CausalLM, params: dict, targets: dict,
+                 pool: ThreadPoolExecutor) -> list[Future]:
+    """Copy checkpoint tensor `name` into its slice of its parameter: a read submitted to `pool` when
+    it can go straight into the parameter's memory, else done here (a cast, a shard, a scale)."""
+    if name not in targets:
+        raise KilnError(
+            f"unexpected tensor {name!r} in the checkpoint: it does not belong to a "
+            f"{model.config.architecture} with this config.json (wrong config or wrong weights?)"
+        )
+    pname, offset, rows = targets[name]
+    param = params[pname]
+    shard, dest = model.layout.shard(name), param.data[offset : offset + rows]
+    if (shard is None and f.dtype(name) == param.dtype and dest.device.type == "cpu"
+            and dest.is_contiguous() and f.shape(name) == list(dest.shape) and param.dim() > 1):
+        return [pool.submit(f.read_into, name, dest)]  # the common case: no copy at all
+    tensor = _fit(name, _read(f, name, shard, rows, f.path), param, rows, f.path)
+    if name.endswith(".input_scale"):
+        torch.maximum(param.data, tensor.to(param.device, param.dtype), out=param.data)
+    else:
+        dest.copy_(tensor)
+    return []
+
+
 def load_weights(model: CausalLM, model_dir: str | Path) -> None:
     """Copy every checkpoint tensor into its (possibly merged) parameter, casting to the model dtype;
     under tensor parallelism only this rank's shard of each is read."""
@@ -144,29 +168,22 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
         if pname.endswith(".input_scale"):
             p.data.zero_()  # a static input scale is the max over the slices that share it
     loaded: set[str] = set()
-    for path in checkpoint_files(model_dir):
-        with SafetensorsFile(path) as f:
-            for name in f.keys():
-                if name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight" and model.config.tie_word_embeddings):
-                    continue
-                if name not in targets:
-                    raise KilnError(
-                        f"unexpected tensor {name!r} in the checkpoint: it does not belong to a "
-                        f"{model.config.architecture} with this config.json (wrong config or wrong weights?)"
-                    )
-                pname, offset, rows = targets[name]
-                param = params[pname]
-                loaded.add(name)
-                shard, dest = model.layout.shard(name), param.data[offset : offset + rows]
-                if (shard is None and f.dtype(name) == param.dtype and dest.device.type == "cpu"
-                        and dest.is_contiguous() and f.shape(name) == list(dest.shape) and param.dim() > 1):
-                    f.read_into(name, dest)  # the common case: no copy at all
-                    continue
-                tensor = _fit(name, _read(f, name, shard, rows, path), param, rows, path)
-                if name.endswith(".input_scale"):
-                    torch.maximum(param.data, tensor.to(param.device, param.dtype), out=param.data)
-                else:
-                    dest.copy_(tensor)
+    # reads run on a thread per core: filling fresh memory costs more in page faults than in the copy
+    # (a VM's faults especially), and threads take their faults in parallel
+    with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+        for path in checkpoint_files(model_dir):
+            with SafetensorsFile(path) as f:
+                reads = []
+                try:
+                    for name in f.keys():
+                        if not (name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight"
+                                                                    and model.config.tie_word_embeddings)):
+                            loaded.add(name)
+                            reads += _load_tensor(f, name, model, params, targets, pool)
+                finally:
+                    wait(reads)  # before the file closes, also when a tensor fails
+                for read in reads:
+                    read.result()
     missing = [name for name in targets if name not in loaded]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

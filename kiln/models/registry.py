@@ -36,6 +36,7 @@ def create_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.devic
         model = MODEL_CLASSES[cfg.architecture](cfg, dtype, parallel)
         if cfg.quantization is not None:
             quantized_layout(model, cfg.quantization.scheme, cfg.quantization.static_input)
-    model.to_empty(device=device)
+    # not `to_empty`: its `empty_like` of a meta tensor imports sympy through torch._refs (~0.5 s of a start)
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.init_buffers()
     return model.eval().requires_grad_(False)

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import kiln.kernels  # noqa: F401
 from kiln.kernels import packed_linear, quantize_weight
+from kiln.models import lm_head
 from kiln.models.lm_head import Int8Head, PackedHead
 
 ops = torch.ops.kiln
@@ -124,3 +125,19 @@ def test_lm_heads_match_the_plain_matmul():
     plain.kernel, plain.codes = None, quantize_weight(weight, torch.int8, packed_linear.W7A8_MAX)[0]
     torch.testing.assert_close(w7(hidden), plain(hidden), atol=1e-5, rtol=1e-5)
     assert ((w7(hidden) - ref).abs().max() / ref.abs().max()).item() < 0.04
+
+
+@pytest.mark.skipif(not packed_linear.fbgemm_available(), reason="this torch has no fbgemm")
+@pytest.mark.parametrize("weight_max", [None, packed_linear.W7A8_MAX])
+def test_fbgemm_head_in_row_blocks_gives_int_mm_numbers(monkeypatch, weight_max):
+    """A head of more rows than FBGEMM_PACK_ROWS is packed and run in blocks (uneven ones too):
+    the logits are torch._int_mm's, as from one weight."""
+    monkeypatch.setattr(lm_head, "FBGEMM_PACK_ROWS", 128)
+    monkeypatch.setattr(packed_linear, "int8_gemm_exact", lambda: False)  # fbgemm even where oneDNN is exact
+    torch.manual_seed(0)
+    weight, hidden = torch.randn(500, 64), torch.randn(5, 64)
+    blocked = Int8Head(weight, weight_max)
+    assert blocked.kernel.startswith("fbgemm") and [b.shape[0] for b in blocked.codes] == [125] * 4
+    plain = Int8Head(weight, weight_max)
+    plain.kernel, plain.codes = None, quantize_weight(weight, torch.int8, weight_max)[0]
+    torch.testing.assert_close(blocked(hidden), plain(hidden), atol=1e-5, rtol=1e-5)

@@ -6,7 +6,6 @@ patterns that would otherwise be interrupted by one (norm -> view -> quant) matc
 
 import torch
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from kiln.passes.base import GraphPass
 
@@ -21,6 +20,8 @@ def _value(node) -> torch.Tensor | None:
 
 
 def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true  # sympy: 0.5 s, not at serve
+
     return a.dim() == b.dim() and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
 
 
