@@ -205,17 +205,19 @@ def shift_int8(a: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def int8_gemm_exact() -> bool:
+def int8_gemm_exact(weight_max: int = 127) -> bool:
     """Whether oneDNN's u8 x s8 GEMM is exact on this CPU for the extreme codes (+-127 activations
-    and weights over a long row). Without VNNI, x86 int8 GEMMs add pairs of products in int16,
-    which saturates there: such a kernel gives wrong numbers and must not be chosen."""
+    and +-`weight_max` weights over a long row). Without VNNI, x86 int8 GEMMs add pairs of products
+    in int16, which saturates for 8-bit weights: such a kernel gives wrong numbers and must not be
+    chosen. For 7-bit weights (W7A8_MAX) no pair saturates, and it is exact there too."""
     if not torch.backends.mkldnn.is_available():
         return False
     k = 4096
     a = torch.full((4, k), 127, dtype=torch.int8)
     a[1], a[2, ::2] = -127, -127
-    w = torch.full((32, k), 127, dtype=torch.int8)
-    w[::3] = -127
+    w = torch.full((32, k), weight_max, dtype=torch.int8)
+    w[::3] = -weight_max
+    w[1::3, 1::2] = weight_max - 1  # odd and even codes: a kernel that halves the weights rounds one of them
     try:
         out = onednn_int8_linear(shift_int8(a), pack("onednn_int8", w))
     except RuntimeError:

@@ -312,7 +312,8 @@ _REWRITES = {"float": _rewrite_float, "int8": _rewrite_int8, "w7a8": _rewrite_in
 _CANDIDATES = {"float": ("onednn",), "int8": ("onednn_int8", "fbgemm_int8", "widened"),
                "w7a8": ("onednn_int8", "fbgemm_w7a8", "widened"), "fp8": ("onednn_fp8_as_fp32",)}
 """Per kind, the kernels tried against torch's GEMM: packed formats (`packed_linear.FORMATS`; "w7a8"
-weights run fbgemm's int8 GEMM without the split that 8-bit codes need), and for int8 "widened",
+weights run fbgemm's int8 GEMM without the split that 8-bit codes need, and oneDNN's exactly on CPUs
+without VNNI, where it beats fbgemm on prefill chunks), and for int8 "widened",
 codes widened to fp32 per call for torch's float GEMM (exact: integer products, and
 sums as exact as the int32 ones converted): where a CPU's int8 GEMMs are slow, large prefill chunks
 compute faster so."""
@@ -335,7 +336,8 @@ def _unavailable(sig: _Signature, candidate: str) -> str | None:
     """Why `candidate` cannot run `sig` on this CPU and torch, or None."""
     if candidate.startswith("onednn") and not torch.backends.mkldnn.is_available():
         return "this torch is built without oneDNN"
-    if candidate == "onednn_int8" and not packed_linear.int8_gemm_exact():
+    if candidate == "onednn_int8" and not packed_linear.int8_gemm_exact(
+            packed_linear.W7A8_MAX if sig.kind == "w7a8" else 127):
         return "oneDNN's int8 GEMM saturates on this CPU (no VNNI)"
     if candidate.startswith("fbgemm") and not packed_linear.fbgemm_available():
         return "this torch has no fbgemm quantized linear"

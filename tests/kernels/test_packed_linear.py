@@ -34,19 +34,22 @@ def test_onednn_linear_matches_linear(dtype, bias, rows):
         torch.testing.assert_close(out.float(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
-def _int8_exact():
-    if not packed_linear.int8_gemm_exact():
+def _int8_exact(weight_max: int = 127):
+    if not packed_linear.int8_gemm_exact(weight_max):
         pytest.skip("oneDNN's int8 GEMM saturates on this CPU (no VNNI): kiln never chooses it here")
 
 
+@pytest.mark.parametrize("weight_max", [127, packed_linear.W7A8_MAX])
 @pytest.mark.parametrize("rows", [1, 5, 33])
-def test_onednn_int8_linear_is_exact_int32_accumulation(rows):
-    _int8_exact()
+def test_onednn_int8_linear_is_exact_int32_accumulation(rows, weight_max):
+    """8-bit weight codes where the CPU has VNNI; 7-bit (w7a8) codes on any x86 CPU, where no pair of
+    u8 x s8 products saturates int16."""
+    _int8_exact(weight_max)
     torch.manual_seed(0)
     a = torch.randint(-127, 128, (rows, 1000), dtype=torch.int8)
     a[0] = 127  # the extreme codes, where a pairwise int16 accumulation would saturate
-    w = torch.randint(-127, 128, (48, 1000), dtype=torch.int8)
-    w[1] = -127
+    w = torch.randint(-weight_max, weight_max + 1, (48, 1000), dtype=torch.int8)
+    w[1] = -weight_max
     ref = torch._int_mm(torch.cat([a, a.new_zeros(40 - rows, 1000)]), w.t())[:rows].float()  # >16 rows
     for weight in (packed_linear.pack("onednn_int8", w), w):
         out = ops.onednn_int8_linear(packed_linear.shift_int8(a), weight)
