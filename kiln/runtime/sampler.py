@@ -110,6 +110,22 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) 
     return logits
 
 
+ARGMAX_BLOCK = 128
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)` of [rows, vocab], the same first index of the largest value (NaN counting as
+    largest), in two short passes: the largest of each block of 128, then the block that holds the first.
+    torch's CPU argmax over a long row is not vectorized: 1.4-2.9 ms for 16 rows of a 151936 vocabulary
+    against 0.2 ms so, measured on an AVX2 EPYC."""
+    rows, vocab = logits.shape
+    if vocab % ARGMAX_BLOCK or logits.device.type != "cpu" or not logits.is_contiguous():
+        return logits.argmax(-1)
+    blocks = logits.view(rows, vocab // ARGMAX_BLOCK, ARGMAX_BLOCK)
+    first = blocks.amax(-1).argmax(-1)
+    return first * ARGMAX_BLOCK + blocks[torch.arange(rows), first].argmax(-1)
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -125,7 +141,7 @@ def sample(
     vocabulary costs a millisecond a row.
     """
     adjusted = logits if adjusted is None else adjusted
-    tokens = adjusted.argmax(-1).tolist()
+    tokens = greedy(adjusted).tolist()
     for row, p in enumerate(params):
         if p.temperature < GREEDY_BELOW:
             continue

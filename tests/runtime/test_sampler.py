@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kiln.runtime.sampler import SamplingParams, sample
+from kiln.runtime.sampler import ARGMAX_BLOCK, SamplingParams, greedy, sample
 
 
 def _gen(seed=0):
@@ -58,3 +58,18 @@ def test_min_p_keeps_tokens_near_the_most_likely():
     assert drawn == kept == {0, 1}
     with pytest.raises(Exception, match="min_p"):
         SamplingParams(min_p=1.5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("vocab", [ARGMAX_BLOCK * 40, ARGMAX_BLOCK * 40 + 7])
+def test_greedy_is_argmax_with_its_ties_and_nans(rows, vocab):
+    """The first index of the largest value, as torch.argmax: ties in one block and across blocks,
+    NaN as the largest, and a vocabulary that is not a multiple of the block (torch's own argmax)."""
+    torch.manual_seed(0)
+    logits = torch.randn(rows, vocab)
+    logits[0, [3, 5, ARGMAX_BLOCK * 7]] = 50.0
+    if rows > 1:
+        logits[1, [ARGMAX_BLOCK * 9 + 1, ARGMAX_BLOCK * 30]] = float("nan")
+    assert torch.equal(greedy(logits), logits.argmax(-1))
+    assert greedy(logits)[0] == 3
+    assert torch.equal(greedy(logits[:, ::2]), logits[:, ::2].argmax(-1))  # not contiguous
