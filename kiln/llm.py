@@ -12,6 +12,7 @@ from kiln.compiler.key import cache_key, model_factors
 from kiln.config import (CompileConfig, EngineConfig, ParallelConfig, cpu_has_native_bf16, default_cache_dir,
                          parse_device, parse_dtype)
 from kiln.errors import KilnError
+from kiln.kernels import packed_linear
 from kiln.models.config import ModelConfig
 from kiln.models.lm_head import quantize_lm_head
 from kiln.models.loader import checkpoint_bytes, load_weights
@@ -88,7 +89,9 @@ class LLM:
         self._check_memory(engine_config)
         self.model = create_model(self.model_config, parse_dtype(self.dtype), self.device, self.parallel)
         load_weights(self.model, model_dir)
-        if check_scheme(quantization):
+        self.quantization = check_scheme(quantization)
+        """The scheme the projections were quantized to at load (None: as the checkpoint has them)."""
+        if quantization:
             quantize_model(self.model, quantization)
         if lm_head_quantization is not None:
             quantize_lm_head(self.model, lm_head_quantization)
@@ -129,6 +132,17 @@ class LLM:
                      "software: they read half the bytes, faster at batch 1, but are slower than float32 on "
                      "batches; --dtype float32 where twice the weight memory fits")
         return note + ")"
+
+    @property
+    def quantization_note(self) -> str | None:
+        """For the start-up lines: on a CPU whose int8 GEMM is exact only split (no VNNI), that w7a8 is
+        the faster int8 there; None where that does not apply."""
+        if self.quantization != "int8" or self.device.type != "cpu" or packed_linear.int8_gemm_exact() \
+                or not packed_linear.fbgemm_available():
+            return None
+        return ("int8 on a CPU without VNNI: exact W8A8 runs each activation row as two in fbgemm's int8 GEMM; "
+                "--quantization w7a8 (7-bit weight codes) runs it unsplit, about twice as fast at batch 16, "
+                "for a little more weight error (benchmarks/quantization.py reports both)")
 
     def _check_memory(self, engine_config: EngineConfig) -> None:
         """Fail before loading, with the numbers and what would fit, when the weights and a KV cache

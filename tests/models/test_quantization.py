@@ -103,6 +103,20 @@ def test_schemes_are_the_clis_choices():
     assert tuple(SCHEMES) == QUANTIZATIONS
 
 
+def test_int8_start_suggests_w7a8_where_the_rows_are_split(demo_dirs, monkeypatch):
+    from kiln.kernels import packed_linear
+
+    llm = LLM(demo_dirs["llama"], quantization="int8")
+    for exact in (False, True):
+        monkeypatch.setattr(packed_linear, "int8_gemm_exact", lambda weight_max=127, exact=exact: exact)
+        note = llm.quantization_note
+        assert (note is not None) == (not exact and packed_linear.fbgemm_available())
+        assert note is None or "--quantization w7a8" in note
+    monkeypatch.setattr(packed_linear, "int8_gemm_exact", lambda weight_max=127: False)
+    assert LLM(demo_dirs["llama"], quantization="w7a8").quantization_note is None
+    assert LLM(demo_dirs["llama"]).quantization_note is None
+
+
 def test_unknown_scheme_is_refused(demo_dirs):
     with pytest.raises(KilnError, match="unknown quantization 'int4'; choose from int8, w7a8, fp8"):
         LLM(demo_dirs["llama"], quantization="int4")
