@@ -1,7 +1,8 @@
 """kiln's op set ("kiln IR"): torch.library custom ops that graph passes see whole.
 
 Each op has a schema, a fake impl for tracing, and a native torch impl (the reference and the CPU
-path). Importing this package registers them under `torch.ops.kiln`.
+path). Importing this package registers them under `torch.ops.kiln`; on CPU the dispatcher calls
+each op's function directly (`_direct_cpu_kernels`).
 """
 
 from kiln.kernels.activation import silu_and_mul
@@ -72,5 +73,25 @@ def _no_lazy_dynamo_import() -> None:
                     setattr(inner, "__dynamo_disable", inner)
 
 
+def _direct_cpu_kernels() -> None:
+    """torch calls a custom op's implementation through a Python wrapper (argument and aliasing checks
+    on every call), and a CPU decode step of a 24-layer model calls ~150 kiln ops. Each op's own
+    function is also registered as its CPU kernel, which the dispatcher calls straight: measured on
+    the AVX2 EPYC, fbgemm_rows_linear 35 -> 30 us a call and kv_cache_write 56 -> 51 us, about 0.5 ms
+    of a 38 ms w7a8 batch-1 step. Tracing still sees each op whole through its fake impl. An op with a
+    CPU kernel of its own, or a torch that keeps the function elsewhere, keeps the wrapper."""
+    import torch
+    from torch._library.custom_ops import OPDEFS
+
+    lib = torch.library.Library("kiln", "IMPL")
+    for name, opdef in list(OPDEFS.items()):
+        fn = getattr(opdef, "_init_fn", None)
+        if name.startswith("kiln::") and fn is not None and "cpu" not in opdef._backend_fns:
+            lib.impl(name.removeprefix("kiln::"), fn, "CPU")
+    _LIBRARIES.append(lib)  # a Library unregisters its kernels when it is garbage collected
+
+
+_LIBRARIES: list = []
 _register_triton_kernels()
 _no_lazy_dynamo_import()
+_direct_cpu_kernels()

@@ -19,10 +19,16 @@ def _value(node) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
-    from torch.fx.experimental.symbolic_shapes import statically_known_true  # sympy: 0.5 s, not at serve
+def _known_true(expr) -> bool:
+    """torch's `statically_known_true`, imported on first use: its module imports sympy (0.5 s), which
+    a process that only loads artifacts never needs."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    return a.dim() == b.dim() and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
+    return statically_known_true(expr)
+
+
+def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dim() == b.dim() and all(_known_true(x == y) for x, y in zip(a.shape, b.shape))
 
 
 def _is_noop(node: fx.Node) -> bool:
@@ -36,7 +42,7 @@ def _is_noop(node: fx.Node) -> bool:
     if node.target is aten.slice.Tensor:
         _, dim, start, end, step = (*node.args, *[None] * (5 - len(node.args)))[:5]
         dim = dim or 0
-        whole = end is None or statically_known_true(end >= src.shape[dim])
+        whole = end is None or _known_true(end >= src.shape[dim])
         return (start in (None, 0)) and whole and step in (None, 1) and _same_shape(src, out)
     return False
 
