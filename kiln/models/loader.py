@@ -1,8 +1,9 @@
 """Load Hugging Face safetensors checkpoints (single file or sharded with an index) into kiln models.
 
 Every tensor is checked: a missing, unexpected or wrongly shaped tensor is one `KilnError` naming it.
-Tensors are read one at a time, straight into their parameters where dtype and layout allow (else
-through one temporary tensor): loading holds the weights once, not the checkpoint beside them.
+Tensors are read straight into their parameters where dtype and layout allow, on a thread per core
+(else one at a time through a temporary tensor): loading holds the weights once, not the checkpoint
+beside them.
 """
 
 import dataclasses
