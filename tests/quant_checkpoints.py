@@ -80,7 +80,8 @@ def write_compressed(src: Path, out: Path, scheme: str, per_tensor: bool = False
         base = name[: -len(".weight")]
         if per_tensor:
             s = (w.abs().amax() / QMAX[scheme]).reshape(1)
-            q = (w / s).round().clamp(-127, 127).to(torch.int8) if scheme == "int8" else (w / s).to(SCHEMES[scheme].dtype)
+            dtype = SCHEMES[scheme].dtype
+            q = (w / s).round().clamp(-127, 127).to(dtype) if scheme == "int8" else (w / s).to(dtype)
             tensors[f"{base}.weight_scale"] = s
         else:
             q, s = quantize_weight(w, SCHEMES[scheme].dtype)

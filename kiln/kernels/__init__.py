@@ -86,7 +86,7 @@ def _direct_cpu_kernels() -> None:
     lib = torch.library.Library("kiln", "IMPL")
     for name, opdef in list(OPDEFS.items()):
         fn = getattr(opdef, "_init_fn", None)
-        if name.startswith("kiln::") and fn is not None and "cpu" not in opdef._backend_fns:
+        if name.startswith("kiln::") and fn is not None and "cpu" not in getattr(opdef, "_backend_fns", {}):
             lib.impl(name.removeprefix("kiln::"), fn, "CPU")
     _LIBRARIES.append(lib)  # a Library unregisters its kernels when it is garbage collected
 

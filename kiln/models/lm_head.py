@@ -65,16 +65,12 @@ class Int8Head:
         a, a_scale = ops.quant_int8(hidden, None)
         if self.kernel == "onednn_int8":
             return ops.onednn_int8_linear(packed_linear.shift_int8(a), self.codes, self.scale).mul_(a_scale)
-        if self.kernel == "fbgemm_w7a8":
-            return self._fbgemm(a.float(), packed_linear.W7A8_ZERO_POINT).mul_(a_scale).mul_(self.scale)
-        if self.kernel == "fbgemm_int8":
-            sums = self._fbgemm(packed_linear.split_int8(a), packed_linear.FBGEMM_ZERO_POINT)
-            return packed_linear.join_int8(sums).mul_(a_scale).mul_(self.scale)
+        if self.kernel in _FBGEMM:
+            linear = packed_linear.fbgemm_w7a8_linear if self.kernel == "fbgemm_w7a8" else \
+                packed_linear.fbgemm_int8_linear
+            outs = [linear(a, block) for block in self.codes]
+            return (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]).mul_(a_scale).mul_(self.scale)
         return ops.scaled_mm(a, self.codes, a_scale, self.scale, torch.float32, None)
-
-    def _fbgemm(self, rows: torch.Tensor, zero_point: int) -> torch.Tensor:
-        outs = [ops.fbgemm_rows_linear(rows, block, zero_point) for block in self.codes]
-        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
 
 
 def quantize_lm_head(model, scheme: str) -> None:

@@ -9,8 +9,9 @@ compute, and the kernel that wins differs. On CPU the compile cuts the dynamic t
 SMALL_BATCH and DECODE_BATCH tokens for that; ranges whose decisions agree share one graph. A
 candidate must first give the baseline's numbers (an int8 kernel that saturates on this CPU is never
 chosen); of those faster than the baseline at every count measured, the fastest in total wins. fp8
-weights are always widened and packed once (torch's form widens them on every call); projections too small to time apart keep torch's GEMM. A weight two
-variants read in two formats is packed (or kept) in both.
+weights are always widened and packed once (torch's form widens them on every call); projections
+too small to time apart keep torch's GEMM. A weight two variants read in two formats is packed (or
+kept) in both.
 """
 
 import logging
@@ -332,12 +333,16 @@ def _streamed_time(fn: Callable, args: Sequence) -> float:
     return min(times) * 1e3
 
 
+def _code_max(sig: _Signature) -> int:
+    """The largest weight code of an int8 kind: 7-bit for w7a8."""
+    return packed_linear.W7A8_MAX if sig.kind == "w7a8" else 127
+
+
 def _unavailable(sig: _Signature, candidate: str) -> str | None:
     """Why `candidate` cannot run `sig` on this CPU and torch, or None."""
     if candidate.startswith("onednn") and not torch.backends.mkldnn.is_available():
         return "this torch is built without oneDNN"
-    if candidate == "onednn_int8" and not packed_linear.int8_gemm_exact(
-            packed_linear.W7A8_MAX if sig.kind == "w7a8" else 127):
+    if candidate == "onednn_int8" and not packed_linear.int8_gemm_exact(_code_max(sig)):
         return "oneDNN's int8 GEMM saturates on this CPU (no VNNI)"
     if candidate.startswith("fbgemm") and not packed_linear.fbgemm_available():
         return "this torch has no fbgemm quantized linear"
@@ -397,7 +402,7 @@ def _act_dtype(sig: _Signature) -> torch.dtype:
 def _random_weight(sig: _Signature, generator: torch.Generator) -> torch.Tensor:
     n, k = sig.shape
     if sig.kind in INT8_KINDS:
-        top = packed_linear.W7A8_MAX if sig.kind == "w7a8" else 127
+        top = _code_max(sig)
         return torch.randint(-top, top + 1, (n, k), generator=generator, dtype=torch.int8)
     w = torch.randn(n, k, generator=generator) * 0.05
     return w.to(sig.dtype)
