@@ -1,8 +1,8 @@
 """After fusion: each remaining kiln op that has no kernel of its own on this platform becomes its
 native torch form, which Inductor then fuses with its neighbours into one generated loop.
 
-Kept as ops: the attention (the split point), the cache writes (mutations that order the attention),
-the collectives and `scaled_mm` (a library matmul either way). On CUDA each norm and activation op is
+Kept as ops: the attention (the split point), the cache writes on CUDA (a Triton kernel each), the
+collectives and `scaled_mm` (a library matmul either way). On CUDA each norm and activation op is
 first measured against its Triton kernel (`kernel_choice`): where the kernel is faster it is kept,
 as a `kiln_triton` op AOTInductor compiles in, and not lowered. On CPU each projection is first
 measured against a oneDNN kernel on a weight packed at load (`gemm_choice`), and retargeted to it
@@ -17,6 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from kiln.kernels.activation import silu_and_mul_native
 from kiln.kernels.fused_quant import (fused_add_rms_norm_quant_native, rms_norm_quant_native,
                                      silu_and_mul_quant_native)
+from kiln.kernels.kv_cache import kv_cache_write_scatter
 from kiln.kernels.norm import fused_add_rms_norm_native, rms_norm_native
 from kiln.kernels.quant import quant_native
 from kiln.kernels.rotary import rotary_embedding_native
@@ -43,9 +44,9 @@ def _norms() -> list[Pattern]:
 
 
 def _inline_native(graph: fx.Graph, node: fx.Node, native) -> None:
-    """Replace `node`, a kiln op call returning a tuple, by `native`'s aten ops traced on its inputs.
-    For ops the pattern matcher cannot replace: it refuses a match beside a mutation, and the rotary's
-    rotated key feeds the KV-cache write."""
+    """Replace `node`, a kiln op call, by `native`'s aten ops traced on its inputs. For ops the
+    pattern matcher cannot replace: it refuses a match beside a mutation, and the rotary's rotated
+    key feeds the KV-cache write."""
     vals = fx.node.map_arg(node.args, lambda n: n.meta["val"])
     tensors = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node)]
 
@@ -60,6 +61,8 @@ def _inline_native(graph: fx.Graph, node: fx.Node, native) -> None:
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     with graph.inserting_before(node):
         outputs = graph.graph_copy(gm.graph, {p: node.args[i] for p, i in zip(placeholders, tensors)})
+    if not isinstance(node.meta["val"], (tuple, list)):
+        node.replace_all_uses_with(outputs)
     for user in list(node.users):  # getitem(node, i) -> the copied graph's output i
         user.replace_all_uses_with(outputs[user.args[1]])
         graph.erase_node(user)
@@ -71,6 +74,16 @@ def _lower_rotary(graph: fx.Graph) -> int:
     nodes = [n for n in graph.nodes if n.op == "call_function" and n.target is ops.rotary_embedding.default]
     for node in nodes:
         _inline_native(graph, node, rotary_embedding_native)
+    return len(nodes)
+
+
+def _lower_cache_writes(graph: fx.Graph) -> int:
+    """Each `kiln::kv_cache_write` into a CPU cache => its scatter form, which Inductor writes into the
+    piece's own code (the K and V straight from the rotary's loop) instead of calling the op."""
+    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target is ops.kv_cache_write.default
+             and n.args[2].meta["val"].device.type == "cpu"]
+    for node in nodes:
+        _inline_native(graph, node, kv_cache_write_scatter)
     return len(nodes)
 
 
@@ -150,4 +163,4 @@ class Lowering(PatternPass):
         _gather_then_norm(graph)  # counted below, as the norm it exposes
         self.gemm_choices, self.weight_formats = ([], {}) if self.gemms is None else self.gemms(graph, self.size_range)
         self.choices = choose_kernels(graph, measured_tokens(self.size_range)) if self.choose else []
-        return _lower_rotary(graph) + super().__call__(graph)
+        return _lower_rotary(graph) + _lower_cache_writes(graph) + super().__call__(graph)

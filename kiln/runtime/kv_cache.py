@@ -110,8 +110,10 @@ def allocate_kv_caches(
     cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: str | torch.device = "cpu",
     num_kv_heads: int | None = None,
 ) -> list[torch.Tensor]:
+    """Each layer's cache: `num_blocks` blocks for the allocator to hand out, and one more at the end
+    that it never does, whose last slot padded tokens (slot -1) may write (`kiln.kernels.kv_cache`)."""
     # Zeroed, not empty: attention multiplies masked-out slots by a zero probability, and 0 * NaN is NaN.
-    shape = (2, num_blocks, block_size, num_kv_heads or cfg.num_kv_heads, cfg.head_dim)
+    shape = (2, num_blocks + 1, block_size, num_kv_heads or cfg.num_kv_heads, cfg.head_dim)
     if torch.device(device).type == "cpu":
         return [_zeroed_lazily(shape, dtype) for _ in range(cfg.num_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]

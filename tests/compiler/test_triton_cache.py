@@ -131,7 +131,8 @@ def test_warm_up_runs_decodes_and_a_prefill_per_variant_and_writes_nothing(demo_
     for (low, high), _ in routes:
         want += [[1] * low] + ([[2] + [1] * (low - 2)] if high >= 2 else [])
     assert len(want) >= 2 and batches == want and calls == [sum(b) for b in want]
-    assert all(not c.any() for c in kv_caches)  # slots -1: nothing written
+    # slots -1: nothing written but the scratch slot (the last), where the CPU pieces' scatter puts padding
+    assert all(not c.flatten(1, 2)[:, :-1].any() for c in kv_caches)
 
 
 def test_ship_triton_kernels_runs_the_artifact_and_pins_what_it_built(demo_dirs, llama_artifact, tmp_path):

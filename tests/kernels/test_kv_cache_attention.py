@@ -19,6 +19,21 @@ def test_kv_cache_write_fills_slots_and_skips_padding():
     assert int((kv != 0).flatten(2).any(-1).sum()) == 4  # two slots, each in K and V; padding wrote nothing
 
 
+def test_scatter_form_writes_the_same_slots_and_padding_only_into_the_scratch_slot():
+    """The form Inductor compiles on CPU: the native op's writes, and slot -1 lands in the cache's last
+    slot (the scratch block `allocate_kv_caches` adds), not in any slot a sequence owns."""
+    from kiln.kernels.kv_cache import kv_cache_write_scatter
+
+    kv, scattered = torch.zeros(2, 3, BLOCK, 2, 8), torch.zeros(2, 3, BLOCK, 2, 8)
+    k, v = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+    slots = torch.tensor([5, 0, -1, 9])
+    ops.kv_cache_write(k, v, kv, slots)
+    assert kv_cache_write_scatter(k, v, scattered, slots).numel() == 0
+    assert torch.equal(scattered.flatten(1, 2)[:, :-1], kv.flatten(1, 2)[:, :-1])
+    assert torch.equal(scattered[0, -1, -1], k[2]) and torch.equal(scattered[1, -1, -1], v[2])
+    assert not kv[:, -1, -1].any()  # the op writes nothing for padding
+
+
 def _reference(q, keys, values, q_pos, scale, window):
     """One query token at position q_pos over a sequence's full K/V [ctx, Hkv, D]; GQA by head group."""
     hq, hkv = q.shape[0], keys.shape[1]

@@ -69,7 +69,7 @@ def test_each_batch_runs_the_variant_for_its_token_count(demo_dirs, tmp_path, ca
     assert [(v["ranges"], v["sizes"]) for v in manifest["variants"]] == [([[1, 8]], [16]), ([[9, 32], [33, 64]], [])]
     matches = pass_matches(manifest)
     assert matches["1-8,16"]["double_output"] == 1 and matches["9-64"]["double_output"] is None
-    assert matches["1-8,16"]["lowering"] == matches["9-64"]["lowering"] == 9 + 4 + 4  # norms, activations, rotaries
+    assert matches["1-8,16"]["lowering"] == matches["9-64"]["lowering"] == 9 + 4 + 4 + 4  # norms, activations, rotaries, writes
 
     for n in (1, 4, 8, 9, 12, 16, 17, 64):
         args = _prefill(llm, n)

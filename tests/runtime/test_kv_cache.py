@@ -51,7 +51,7 @@ def test_block_count_respects_memory_and_need():
 def test_kv_tensors_are_combined_and_zeroed():
     caches = allocate_kv_caches(CFG, 5, 16, torch.bfloat16)
     assert len(caches) == 3
-    assert caches[0].shape == (2, 5, 16, 2, 16) and caches[0].dtype == torch.bfloat16
+    assert caches[0].shape == (2, 6, 16, 2, 16) and caches[0].dtype == torch.bfloat16  # + the scratch block
     assert not caches[0].any()
 
 
