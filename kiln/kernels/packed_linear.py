@@ -201,7 +201,7 @@ def fbgemm_available() -> bool:
 
 def shift_int8(a: torch.Tensor) -> torch.Tensor:
     """int8 codes -> the uint8 form `onednn_int8_linear` takes."""
-    return (a.to(torch.int16) + INT8_ZERO_POINT).to(torch.uint8)
+    return (a.to(torch.int32) + INT8_ZERO_POINT).to(torch.uint8)
 
 
 @functools.cache

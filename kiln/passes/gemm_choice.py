@@ -286,7 +286,8 @@ def _rewrite_int8(graph: fx.Graph, node: fx.Node, weight: fx.Node, kernel: str) 
             rows = _insert(graph, aten._to_copy.default, (a,), {"dtype": torch.float32})
             out = _insert(graph, aten.mm.default, (rows, _insert(graph, aten.t.default, (wide,))))
         elif kernel == "onednn_int8":
-            wide = _insert(graph, aten._to_copy.default, (a,), {"dtype": torch.int16})
+            # through int32, not int16: Inductor vectorizes int32 casts, int16's run as a scalar loop
+            wide = _insert(graph, aten._to_copy.default, (a,), {"dtype": torch.int32})
             shifted = _insert(graph, aten.add.Tensor, (wide, packed_linear.INT8_ZERO_POINT))
             codes = _insert(graph, aten._to_copy.default, (shifted,), {"dtype": torch.uint8})
             out = _insert(graph, ops.onednn_int8_linear.default, (codes, weight))
