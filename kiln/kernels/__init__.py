@@ -78,8 +78,10 @@ def _direct_cpu_kernels() -> None:
     on every call), and a CPU decode step of a 24-layer model calls ~150 kiln ops. Each op's own
     function is also registered as its CPU kernel, which the dispatcher calls straight: measured on
     the AVX2 EPYC, fbgemm_rows_linear 35 -> 30 us a call and kv_cache_write 56 -> 51 us, about 0.5 ms
-    of a 38 ms w7a8 batch-1 step. Tracing still sees each op whole through its fake impl. An op with a
-    CPU kernel of its own, or a torch that keeps the function elsewhere, keeps the wrapper."""
+    of a 38 ms w7a8 batch-1 step. The same function serves MkldnnCPU, the key a call dispatches on
+    when it passes a packed oneDNN weight (else it falls through to the wrapper). Tracing still sees
+    each op whole through its fake impl. An op with a CPU kernel of its own, or a torch that keeps
+    the function elsewhere, keeps the wrapper."""
     import torch
     from torch._library.custom_ops import OPDEFS
 
@@ -87,7 +89,8 @@ def _direct_cpu_kernels() -> None:
     for name, opdef in list(OPDEFS.items()):
         fn = getattr(opdef, "_init_fn", None)
         if name.startswith("kiln::") and fn is not None and "cpu" not in getattr(opdef, "_backend_fns", {}):
-            lib.impl(name.removeprefix("kiln::"), fn, "CPU")
+            for key in ("CPU", "MkldnnCPU"):
+                lib.impl(name.removeprefix("kiln::"), fn, key)
     _LIBRARIES.append(lib)  # a Library unregisters its kernels when it is garbage collected
 
 

@@ -72,3 +72,25 @@ def test_cpu_calls_go_straight_to_the_ops_function(name, monkeypatch):
     out, ref = op(*args), opdef._init_fn(*ref_args)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(args, ref_args)  # the same mutation (the KV-cache write)
+
+
+@pytest.mark.parametrize("name,fmt", [("onednn_linear", "onednn"), ("onednn_int8_linear", "onednn_int8")])
+def test_calls_on_packed_weights_go_straight_to_the_ops_function(name, fmt, monkeypatch):
+    """A packed oneDNN weight makes the call dispatch on MkldnnCPU, not CPU: that key calls the
+    function directly too (before, such calls fell through to the wrapper)."""
+    from torch._library.custom_ops import OPDEFS
+
+    from kiln.kernels import packed_linear
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch is built without oneDNN")
+    opdef = OPDEFS[f"kiln::{name}"]
+    monkeypatch.setitem(opdef._backend_fns, None, lambda *a, **k: pytest.fail("went through the wrapper"))
+    if fmt == "onednn":
+        weight, x = torch.randn(24, 32), torch.randn(3, 32)
+    else:
+        weight = torch.randint(-127, 128, (24, 32), dtype=torch.int8)
+        x = torch.randint(1, 256, (3, 32), dtype=torch.uint8)
+    packed = packed_linear.pack(fmt, weight)
+    assert packed_linear.is_packed(packed)
+    torch.testing.assert_close(getattr(ops, name)(x, packed), opdef._init_fn(x, weight))
