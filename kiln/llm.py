@@ -103,7 +103,7 @@ class LLM:
             from kiln.compiler import artifact as artifacts
 
             self.artifact_path = Path(artifact)
-            forward = artifacts.load(self.artifact_path, self.model)
+            forward = artifacts.load(self.artifact_path, self.model, release_weights=True)
             if engine_config.max_num_batched_tokens > forward.graph.max_num_tokens:
                 raise KilnError(
                     f"max_num_batched_tokens {engine_config.max_num_batched_tokens} exceeds the max_num_tokens "
@@ -178,7 +178,7 @@ class LLM:
 
         path = self.artifact_path = cache_dir / cache_key(model_factors(self.model, compile_config, passes))
         try:
-            return artifact.load(path, self.model)
+            return artifact.load(path, self.model, release_weights=True)
         except artifact.ArtifactError as e:
             if require_artifact:
                 raise
@@ -188,7 +188,7 @@ class LLM:
 
         result = build_artifact(self.model, compile_config, cache_dir, passes=passes,
                                 model_name=Path(self.model_dir).name)
-        return artifact.load(result.path, self.model)
+        return artifact.load(result.path, self.model, release_weights=True)
 
     def generate(
         self,

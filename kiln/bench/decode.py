@@ -42,8 +42,12 @@ def decode_weight_bytes(model) -> int:
     """The bytes of weights one decode step reads: every parameter but the embedding table (looked up
     by row), plus the LM head as it runs (int8 codes and scales for an int8 head)."""
     head = model.lm_head_weight()
-    total = sum(p.numel() * p.element_size() for p in model.parameters() if p is not head
-                and p is not model.model.embed_tokens.weight)
+    from kiln.compiler.program import RELEASED
+
+    released = getattr(model, RELEASED, {})  # weights a compiled program reads packed only
+    total = sum(shape.numel() * model.get_parameter(name).element_size() for name, shape in released.items())
+    total += sum(p.numel() * p.element_size() for p in model.parameters() if p is not head
+                 and p is not model.model.embed_tokens.weight)
     kernel = model.lm_head_kernel
     if kernel is not None and hasattr(kernel, "scale"):  # the int8 head: one byte a weight, a scale a row
         return total + head.numel() + kernel.scale.numel() * kernel.scale.element_size()

@@ -339,8 +339,11 @@ def _load_library(library: Path, tensor_args: tuple[int, ...], device: str) -> L
         raise ArtifactError(f"artifact blob {library} does not load ({type(e).__name__}: {e}): {RECOMPILE}") from e
 
 
-def load(path: Path, model: nn.Module) -> CompiledProgram:
-    """Load the artifact at `path` and bind it to `model`'s weights; no tracing, no compiling."""
+def load(path: Path, model: nn.Module, release_weights: bool = False) -> CompiledProgram:
+    """Load the artifact at `path` and bind it to `model`'s weights; no tracing, no compiling.
+
+    `release_weights`: free the plain copy of each weight the program only reads packed
+    (`pack_weights`): the model then serves only this program, and cannot be traced or run eagerly."""
     start = time.perf_counter()
     path = Path(path)
     lease = usage.acquire(path)  # before verifying: a pruner waits for no one it cannot see
@@ -358,10 +361,7 @@ def load(path: Path, model: nn.Module) -> CompiledProgram:
 
     inputs = [GraphInput(e["kind"], e["name"], e.get("of"), e.get("dim")) for e in manifest["inputs"]]
     _check_weights(manifest["inputs"], model)
-    with ThreadPoolExecutor(1) as pool:  # the LM head packs beside the projections
-        head = pool.submit(pack_lm_head, model, (manifest.get("lm_head") or {}).get("format"))
-        packed = pack_weights(inputs, model, [v.get("weight_formats", {}) for v in manifest["variants"]])
-    routes = []
+    forwards = []
     for i, variant in enumerate(manifest["variants"]):
         pieces = {}
         for name, entry in variant["pieces"].items():
@@ -374,9 +374,16 @@ def load(path: Path, model: nn.Module) -> CompiledProgram:
                 token_args=tuple(entry.get("token_args", ())),
             )
         program = path / PROGRAMS / f"{i}.py"
-        forward = load_program(program.read_text(), str(program), pieces)
-        if packed[i]:
-            forward = PackedWeights(forward, packed[i])
+        forwards.append(load_program(program.read_text(), str(program), pieces))
+    # packing last: everything that can fail has loaded, so no weight is released for a failed load
+    with ThreadPoolExecutor(1) as pool:  # the LM head packs beside the projections
+        head = pool.submit(pack_lm_head, model, (manifest.get("lm_head") or {}).get("format"))
+        packed = pack_weights(inputs, model, [v.get("weight_formats", {}) for v in manifest["variants"]],
+                              release=release_weights)
+    routes = []
+    for variant, forward, weights in zip(manifest["variants"], forwards, packed):
+        if weights:
+            forward = PackedWeights(forward, weights)
         routes += [((s, s), forward) for s in variant["sizes"]] + [(tuple(r), forward) for r in variant["ranges"]]
     tokens_at = next(i for i, e in enumerate(manifest["inputs"]) if e["kind"] == "input" and e["name"] == "input_ids")
     logger.info("loaded artifact %s: %d blobs in %.2fs", path.name, len(blobs), time.perf_counter() - start)

@@ -112,20 +112,52 @@ class PackedWeights:
         return self.forward(*args)
 
 
-def pack_weights(inputs: list[GraphInput], model: nn.Module,
-                 formats: list[dict[str, str]]) -> list[dict[int, torch.Tensor]]:
+def pack_weights(inputs: list[GraphInput], model: nn.Module, formats: list[dict[str, str]],
+                 release: bool = False) -> list[dict[int, torch.Tensor]]:
     """For each variant's {weight name: format}: {argument index: the packed weight}. A weight two
-    variants read in one format is packed once."""
+    variants read in one format is packed once.
+
+    `release`: a weight every variant reads packed, in one format, gives up its plain copy as soon as
+    it is packed (`release_weight`), so the model holds each weight once, not twice, even while
+    packing."""
     weights = dict(model.named_parameters())
     index = {spec.name: i for i, spec in enumerate(inputs) if spec.kind == "weight"}
     wanted = sorted({(name, fmt) for f in formats for name, fmt in f.items()})
+    readers = {name: [f.get(name) for f in formats] for name, _ in wanted}
+    releasable = {name for name, fmts in readers.items() if release and len(set(fmts)) == 1 and None not in fmts}
     start = time.perf_counter()
+    packed = {}
     # a weight per thread: oneDNN's reorder of one weight barely uses a second core
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:
-        packed = dict(zip(wanted, pool.map(lambda w: packed_linear.pack(w[1], weights[w[0]]), wanted)))
+        for (name, fmt), weight in zip(wanted, pool.map(lambda w: packed_linear.pack(w[1], weights[w[0]]), wanted)):
+            packed[name, fmt] = weight
+            if name in releasable:
+                release_weight(model, name)
     if wanted:
-        logger.info("packed %d weights for their kernels in %.2fs", len(wanted), time.perf_counter() - start)
+        logger.info("packed %d weights for their kernels in %.2fs (%d plain copies released)", len(wanted),
+                    time.perf_counter() - start, len(releasable))
     return [{index[name]: packed[name, fmt] for name, fmt in f.items()} for f in formats]
+
+
+RELEASED = "released_weights"
+"""The model attribute naming each released weight's shape ({name: torch.Size})."""
+
+
+def release_weight(model: nn.Module, name: str) -> None:
+    """Free parameter `name`'s memory, leaving an empty tensor of its dtype: a compiled program reads
+    only its packed copy. The model records the shape it had (`RELEASED`) and refuses to run eagerly."""
+    param = model.get_parameter(name)
+    released = model.__dict__.setdefault(RELEASED, {})
+    if not released:
+        model.register_forward_pre_hook(_refuse_eager_run)
+    released[name] = param.shape
+    param.data = param.data.new_empty(0)
+
+
+def _refuse_eager_run(model: nn.Module, args) -> None:
+    raise KilnError(f"this model's plain projection weights were released once packed for its compiled artifact "
+                    f"({len(getattr(model, RELEASED))} of them): run it through the LLM, or load it with "
+                    "compile=False to call the model itself")
 
 
 def pack_lm_head(model: nn.Module, format: str | None) -> PackedHead | None:

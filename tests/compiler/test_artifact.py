@@ -367,6 +367,7 @@ def test_variants_read_the_weight_formats_their_gemm_choices_asked_for(demo_dirs
     assert small["weight_formats"] == {} and len(rest["weight_formats"]) == 4 * 4
     assert {c["kernel"] for c in small["gemm_choices"]} == {"aten"} and {c["kernel"] for c in rest["gemm_choices"]} == {
         "onednn"}
+    assert not hasattr(llm.model, "released_weights")  # the small batches' variant reads every weight plain
     eager = LLM(demo_dirs["llama"])
     for prompts in (PROMPTS[:1], PROMPTS):  # decodes of 1 and of 8 sequences; prefills of more than 8 tokens
         for got, want in zip(llm.generate(prompts, GREEDY), eager.generate(prompts, GREEDY)):

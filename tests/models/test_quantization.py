@@ -140,6 +140,8 @@ def test_int8_artifact_on_packed_int8_weights_equals_int8_eager(demo_dirs, tmp_p
     layers = llm.model_config.num_layers
     assert all(set(v["weight_formats"].values()) == {kernel} and len(v["weight_formats"]) == 4 * layers
                for v in manifest["variants"])
+    released = llm.model.released_weights  # every variant reads them packed: the plain int8 codes are freed
+    assert len(released) == 4 * layers and all(llm.model.get_parameter(n).numel() == 0 for n in released)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
     eager = LLM(demo_dirs["llama"], quantization=scheme).generate(PROMPTS, params)
     for c, e in zip(llm.generate(PROMPTS, params), eager):
