@@ -44,3 +44,17 @@ def llama_artifact(demo_dirs, kiln_cache):
     from kiln import LLM
 
     return LLM(demo_dirs["llama"], compile=True, cache_dir=kiln_cache).artifact_path
+
+
+@pytest.fixture(scope="session")
+def packed_artifact(demo_dirs, tmp_path_factory):
+    """The demo llama compiled with every projection on oneDNN's packed GEMM (the choice's timings
+    forced): its pieces call a kiln op through AOTInductor's proxy executor, so its blobs have call
+    tables (the KV-cache write, the other op a CPU piece called, is now Inductor's own code)."""
+    from kiln import LLM
+    from kiln.passes import gemm_choice
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gemm_choice, "_streamed_time", lambda fn, args: 0.5 if fn.kernel == "onednn" else 2.0)
+        mp.setattr(gemm_choice, "MIN_TIMED_ELEMENTS", 0)  # the demo's projections are time-worthy here
+        return LLM(demo_dirs["llama"], compile=True, cache_dir=tmp_path_factory.mktemp("packed")).artifact_path

@@ -98,14 +98,16 @@ def _flip_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_verify_names_the_corrupt_file(cache, llama_artifact, capsys):
+def test_verify_names_the_corrupt_file(tmp_path, packed_artifact, capsys):
+    cache = tmp_path / "packed"  # an artifact whose pieces call kiln ops: it has call tables
+    shutil.copytree(packed_artifact, cache / packed_artifact.name)
     status, out = kiln_cache_cmd(capsys, "verify", "--cache-dir", cache)
-    assert status == 0 and out.startswith(f"ok      {llama_artifact.name}")
-    blob = sorted((cache / llama_artifact.name / "blobs").glob("*.so"))[0]
+    assert status == 0 and out.startswith(f"ok      {packed_artifact.name}")
+    blob = sorted((cache / packed_artifact.name / "blobs").glob("*.so"))[0]
     _flip_byte(blob)
-    calls = sorted((cache / llama_artifact.name / "blobs").glob("*.json"))[-1]
+    calls = sorted((cache / packed_artifact.name / "blobs").glob("*.json"))[-1]
     calls.unlink()
-    status, out = kiln_cache_cmd(capsys, "verify", llama_artifact.name[:8], "--cache-dir", cache)
+    status, out = kiln_cache_cmd(capsys, "verify", packed_artifact.name[:8], "--cache-dir", cache)
     assert status == 1
     assert f"artifact blob {blob} is corrupt (sha256 mismatch)" in out
     assert f"artifact blob call table {calls} is missing" in out
