@@ -41,9 +41,9 @@ def read_bandwidth(repeats: int = 5) -> float:
 def decode_weight_bytes(model) -> int:
     """The bytes of weights one decode step reads: every parameter but the embedding table (looked up
     by row), plus the LM head as it runs (int8 codes and scales for an int8 head)."""
-    head = model.lm_head_weight()
     from kiln.compiler.program import RELEASED
 
+    head = model.lm_head_weight()
     released = getattr(model, RELEASED, {})  # weights a compiled program reads packed only
     total = sum(shape.numel() * model.get_parameter(name).element_size() for name, shape in released.items())
     total += sum(p.numel() * p.element_size() for p in model.parameters() if p is not head

@@ -39,8 +39,8 @@ from kiln.compiler import atomic, usage
 from kiln.compiler.aoti import CALLS_SUFFIX, LIBRARY_SUFFIX, LoadedLibrary
 from kiln.compiler.counters import counters
 from kiln.compiler.key import python_version, system_info
-from kiln.compiler.program import (ByTokenCount, CompiledProgram, GraphInput, PackedWeights, SizedPiece, load_program,
-                                   pack_lm_head, pack_weights)
+from kiln.compiler.program import (RELEASED, ByTokenCount, CompiledProgram, GraphInput, PackedWeights, SizedPiece,
+                                   load_program, pack_lm_head, pack_weights)
 from kiln.config import dtype_name
 from kiln.errors import KilnError
 
@@ -398,6 +398,9 @@ def _check_weights(contract: list[dict], model: nn.Module) -> None:
         if entry["kind"] != "weight":
             continue
         w = weights.get(entry["name"])
+        if entry["name"] in getattr(model, RELEASED, {}):
+            raise KilnError(f"weight {entry['name']} of this model was released once packed for another artifact: "
+                            "load the model again to bind it to this one")
         if w is None or list(w.shape) != entry["shape"] or dtype_name(w.dtype) != entry["dtype"]:
             found = "absent" if w is None else f"{list(w.shape)} {w.dtype}"
             raise ArtifactError(f"artifact expects weight {entry['name']} {entry['shape']} {entry['dtype']}, the "

@@ -35,6 +35,16 @@ def test_only_weights_every_variant_reads_packed_are_released(demo_dirs):
         model(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), [], None)
 
 
+def test_a_released_model_is_not_bound_to_another_artifact(demo_dirs, llama_artifact):
+    from kiln.compiler import artifact
+
+    model = LLM(demo_dirs["llama"]).model
+    inputs = [GraphInput("weight", name) for name, _ in model.named_parameters()]
+    pack_weights(inputs, model, [{QKV: "onednn"}], release=True)
+    with pytest.raises(KilnError, match=f"weight {QKV} of this model was released once packed"):
+        artifact.load(llama_artifact, model)
+
+
 def test_without_release_the_model_keeps_every_weight(demo_dirs):
     model = LLM(demo_dirs["llama"]).model
     inputs = [GraphInput("weight", name) for name, _ in model.named_parameters()]
