@@ -123,8 +123,7 @@ def pack_weights(inputs: list[GraphInput], model: nn.Module, formats: list[dict[
     weights = dict(model.named_parameters())
     index = {spec.name: i for i, spec in enumerate(inputs) if spec.kind == "weight"}
     wanted = sorted({(name, fmt) for f in formats for name, fmt in f.items()})
-    readers = {name: [f.get(name) for f in formats] for name, _ in wanted}
-    releasable = {name for name, fmts in readers.items() if release and len(set(fmts)) == 1 and None not in fmts}
+    releasable = {name for name, fmt in wanted if release and all(f.get(name) == fmt for f in formats)}
     start = time.perf_counter()
     packed = {}
     # a weight per thread: oneDNN's reorder of one weight barely uses a second core
