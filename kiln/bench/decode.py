@@ -38,9 +38,10 @@ def read_bandwidth(repeats: int = 5) -> float:
     return BANDWIDTH_BYTES / best
 
 
-def decode_weight_bytes(model) -> int:
+def decode_weight_bytes(model, screened: bool = False) -> int:
     """The bytes of weights one decode step reads: every parameter but the embedding table (looked up
-    by row), plus the LM head as it runs (int8 codes and scales for an int8 head)."""
+    by row), plus the LM head as it runs (int8 codes and scales for an int8 head; `screened`: the bf16
+    copy a `GreedyScreen` reads for greedy tokens)."""
     from kiln.compiler.program import RELEASED
 
     head = model.lm_head_weight()
@@ -51,7 +52,7 @@ def decode_weight_bytes(model) -> int:
     kernel = model.lm_head_kernel
     if kernel is not None and hasattr(kernel, "scale"):  # the int8 head: one byte a weight, a scale a row
         return total + head.numel() + kernel.scale.numel() * kernel.scale.element_size()
-    return total + head.numel() * head.element_size()
+    return total + head.numel() * (2 if screened else head.element_size())
 
 
 def decode_step_seconds(llm, batch: int, steps: int, prompt_len: int = 32, vocab: int = 1000) -> float:
@@ -112,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
               lm_head_quantization=args.lm_head_quantization, threads=args.threads,
               max_num_seqs=max(args.batches))
     bandwidth = read_bandwidth()
-    weights = decode_weight_bytes(llm.model)
+    screened = llm.engine.runner.greedy_tokens is not None  # greedy steps read the head's bf16 copy
+    weights = decode_weight_bytes(llm.model, screened)
     floor_ms = weights / bandwidth * 1e3
     decode_step_seconds(llm, 1, 2, args.prompt_len)  # warm-up: first-call costs
     results = {}
@@ -122,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
                                "floor_fraction": round(floor_ms / ms, 3)}
     report = {"model": str(args.model_dir), "dtype": llm.dtype, "compiled": llm.artifact_path is not None,
               "quantization": args.quantization, "lm_head_quantization": args.lm_head_quantization,
-              "threads": llm.threads, "weight_bytes_per_step": weights,
+              "threads": llm.threads, "greedy_screen": screened, "weight_bytes_per_step": weights,
               "read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "floor_ms_per_step": round(floor_ms, 3),
               "prompt_len": args.prompt_len, "batches": results}
     text = json.dumps(report, indent=2)

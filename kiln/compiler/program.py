@@ -197,6 +197,9 @@ class CompiledProgram:
         """Logits of the backbone's hidden states: the model's, on `lm_head` (`pack_lm_head`) if given."""
         if lm_head is not None:
             self.compute_logits = functools.partial(model.compute_logits, head=lm_head)
+        single = getattr(getattr(model, "layout", None), "world_size", 1) == 1
+        self.greedy_tokens = lm_head.greedy if single and getattr(lm_head, "screen", None) is not None else None
+        """hidden -> argmax tokens without the logits, or None when it cannot tell (`PackedHead.greedy`)."""
         self._per_call = [(i, spec) for i, spec in enumerate(inputs) if spec.kind in ("input", "meta", "kv_cache")]
         self._sizes = [(i, spec.of, spec.dim) for i, spec in enumerate(inputs) if spec.kind == "size"]
         self.capture_sizes: tuple[int, ...] = ()

@@ -2,7 +2,8 @@
 model's decode step (Qwen2.5-0.5B's is 545 MB in fp32, more than a third of what a token reads).
 
 `PackedHead` runs it on a oneDNN-packed copy of the weight (what a CPU artifact asks for when the
-compiler measured it faster). `Int8Head` is the opt-in int8 head (`LLM(lm_head_quantization="int8")`,
+compiler measured it faster); where the CPU has bf16 arithmetic it also picks greedy tokens without
+the fp32 logits (`GreedyScreen`), exactly, from half the bytes. `Int8Head` is the opt-in int8 head (`LLM(lm_head_quantization="int8")`,
 `--lm-head-quantization int8`): weights per output channel, activations per token, a quarter of
 fp32's bytes; its effect on greedy agreement is what `benchmarks/quantization.py` reports. "w7a8"
 keeps 7-bit weight codes, which fbgemm multiplies on CPUs without VNNI without splitting the rows.
@@ -14,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kiln.config import LM_HEAD_QUANTIZATIONS
+from kiln.config import LM_HEAD_QUANTIZATIONS, cpu_has_native_bf16
 from kiln.errors import KilnError
 from kiln.kernels import packed_linear, quantize_weight
 from kiln.models.quantization import SCHEMES
@@ -30,13 +31,91 @@ of at most this many rows, packed concurrently."""
 
 
 class PackedHead:
-    """hidden @ weight.T with the weight packed once in `format` (`kiln.kernels.packed_linear`)."""
+    """hidden @ weight.T with the weight packed once in `format` (`kiln.kernels.packed_linear`).
+    `screen` (default: an fp32 weight on a CPU with bf16 arithmetic) adds a `GreedyScreen`."""
 
-    def __init__(self, weight: torch.Tensor, format: str = "onednn"):
+    def __init__(self, weight: torch.Tensor, format: str = "onednn", screen: bool | None = None):
         self.weight = packed_linear.pack(format, weight)
+        if screen is None:
+            screen = format == "onednn" and weight.dtype == torch.float32 and weight.device.type == "cpu" \
+                and cpu_has_native_bf16()
+        self.screen = GreedyScreen(weight) if screen else None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return ops.onednn_linear(hidden, self.weight, None)
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The argmax token of each row's logits, without computing them; None where this head cannot
+        tell (no screen, or the screen gave up): compute the logits then."""
+        return self.screen(hidden) if self.screen is not None else None
+
+
+BF16_UNIT_ROUNDOFF = 2.0 ** -8
+"""bf16 keeps 8 significant bits: rounding to nearest moves a value by at most this fraction of it."""
+SCREEN_BLOCK = 128
+"""The screen finds each row's leaders among blocks of this many logits first, then inside the blocks
+that can hold one: two short passes instead of comparing every logit with the row's threshold."""
+SCREEN_MAX_CANDIDATES = 1024
+"""Per row, on average: more candidate tokens (or blocks) than this, logits too close to call (e.g. a
+hidden state of zeros), and the screen gives up: the fp32 logits are computed instead. Computing
+1024 candidates reads 1024 rows of W, under 1% of Qwen2.5's head."""
+
+
+class GreedyScreen:
+    """The argmax of the fp32 logits hidden @ W.T, reading a bf16 copy of W: half the bytes of the
+    largest matmul of a small model's decode step (a quarter of Qwen2.5-0.5B's), and twice the FLOP
+    rate of fp32 where the CPU has bf16 arithmetic. Exact: the bf16 logits bound every fp32 logit,
+    and only the tokens whose bound reaches the leader's are computed again in fp32.
+
+    The bound. A bf16 logit y_i differs from the fp32 one f_i by at most
+    c * sum_j |W_ij h_j| <= c * |W_i| |h| <= c * R |h| (Cauchy-Schwarz; R the largest row norm of W), with
+    c = 3.25 u + 4 gamma: u for rounding each of W, h and the bf16 output, gamma = (K + 1) 2^-24 / (1 -
+    (K + 1) 2^-24) for summing K products in fp32 (bf16 products are exact in fp32), in the bf16 GEMM and
+    in f itself; the 0.25 u covers the second-order terms. So the token with the largest f has
+    y >= max(y) - 2 c R |h|, and every such token is a candidate; the fp32 argmax of the candidates (the
+    first of equal ones, as torch's argmax) is the argmax of all."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight.detach()  # the fp32 rows candidates are computed from (the model keeps them)
+        self.packed = packed_linear.pack("onednn", self.weight.to(torch.bfloat16))
+        vocab, k = weight.shape
+        gamma = (k + 1) * 2.0 ** -24 / (1 - (k + 1) * 2.0 ** -24)
+        self.c = 3.25 * BF16_UNIT_ROUNDOFF + 4 * gamma
+        self.max_row_norm = float(torch.linalg.vector_norm(self.weight, dim=1).max())
+        self.tiny = k * 2.0 ** -126
+        """Per unit of |h| + R: what bf16 kernels that flush subnormal inputs to zero can lose on top."""
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[rows, K] fp32 hidden states -> [rows] int64 argmax tokens, or None if the screen cannot tell."""
+        y = ops.onednn_linear(hidden.to(torch.bfloat16), self.packed, None)
+        norm = torch.linalg.vector_norm(hidden, dim=1)
+        window = 2 * self.c * self.max_row_norm * norm + self.tiny * (norm + self.max_row_norm)
+        rows, vocab = y.shape
+        if vocab % SCREEN_BLOCK == 0:
+            blocks = y.view(rows, vocab // SCREEN_BLOCK, SCREEN_BLOCK)
+            block_max = blocks.amax(-1).float()
+            threshold = block_max.amax(-1) - window
+            if not torch.isfinite(threshold).all():  # NaN, or an infinite logit: let the fp32 logits decide
+                return None
+            row, block = (block_max >= threshold[:, None]).nonzero(as_tuple=True)
+            if len(row) > rows * SCREEN_MAX_CANDIDATES:
+                return None
+            i, offset = (blocks[row, block].float() >= threshold[row, None]).nonzero(as_tuple=True)
+            row, token = row[i], block[i] * SCREEN_BLOCK + offset
+        else:
+            y = y.float()
+            threshold = y.amax(-1) - window
+            if not torch.isfinite(threshold).all():
+                return None
+            row, token = (y >= threshold[:, None]).nonzero(as_tuple=True)
+        if len(row) > rows * SCREEN_MAX_CANDIDATES:
+            return None
+        exact = torch.linalg.vecdot(self.weight[token], hidden[row])  # (row, token) pairs in order
+        best = torch.full((rows,), float("-inf"), device=hidden.device).scatter_reduce(0, row, exact, "amax")
+        lead = (exact == best[row]).nonzero().squeeze(1)
+        first = torch.ones_like(lead, dtype=torch.bool)
+        first[1:] = row[lead[1:]] != row[lead[:-1]]
+        return token[lead[first]]
 
 
 class Int8Head:

@@ -15,8 +15,8 @@ from kiln.models.llama import CausalLM
 from kiln.runtime.kv_cache import allocate_kv_caches, num_kv_blocks
 from kiln.runtime.memory import GiB, activation_bytes, available_bytes
 from kiln.runtime.runner import ForwardFn, ModelRunner
-from kiln.runtime.penalties import adjust_logits
-from kiln.runtime.sampler import SamplingParams, sample, token_logprobs
+from kiln.runtime.penalties import adjust_logits, needs_adjusting
+from kiln.runtime.sampler import GREEDY_BELOW, SampleResult, SamplingParams, sample, token_logprobs
 from kiln.runtime.scheduler import Scheduler, Sequence
 from kiln.runtime.structured_output import GrammarBackend, apply_masks, fill_masks
 from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -96,7 +96,8 @@ class Engine:
             forward.capture_graphs(config.cudagraph_sizes, kv_caches, config.block_size,
                                    min(config.max_num_seqs, config.max_num_batched_tokens))
         logits = getattr(forward, "compute_logits", None) or model.compute_logits  # a program may pack the LM head
-        self.runner = ModelRunner(forward or model, logits, kv_caches, config.block_size, device)
+        self.runner = ModelRunner(forward or model, logits, kv_caches, config.block_size, device,
+                                  getattr(forward, "greedy_tokens", None))
         self.scheduler = Scheduler(config, num_blocks)
         self.default_generator = torch.Generator(device).manual_seed(seed)  # multinomial wants the logits' device
         self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else cfg.eos_token_ids)
@@ -179,20 +180,24 @@ class Engine:
         if guided and self.runner.device.type == "cuda":  # a CPU thread computes the masks while the GPU runs
             self._masks = self._masks or ThreadPoolExecutor(1, thread_name_prefix="kiln-grammar")
             masks = self._masks.submit(fill_masks, matchers, self.model_config.vocab_size)
-        logits, every = self.runner.execute(batch, rows, scoring)
+        params = [s.params for s in sampling]
+        greedy = not guided and all(plain_greedy(p) for p in params)
+        logits, every, tokens = self.runner.execute(batch, rows, scoring, greedy)
         for i, chunk in zip(scoring, every):
             self._score_prompt(batch.seqs[i], chunk)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             self.scheduler.computed(seq, n)
-        params = [s.params for s in sampling]
-        adjusted = adjust_logits(logits, params, [s.prompt_token_ids for s in sampling],
-                                 [s.output_token_ids for s in sampling], self.eos_token_ids)
-        if guided:  # on CPU the forward keeps every core busy: masks computed beside it, or prefetched on a
-            # thread between steps, measured slower than here (benchmarks/structured_output.py)
-            adjusted = logits.clone() if adjusted is logits else adjusted
-            bitmask = masks.result() if masks is not None else fill_masks(matchers, self.model_config.vocab_size)
-            apply_masks(adjusted, guided, bitmask)
-        result = sample(logits, params, [s.generator for s in sampling], self.default_generator, adjusted)
+        if tokens is not None:
+            result = SampleResult(tokens.tolist(), [None] * len(rows), [None] * len(rows))
+        else:
+            adjusted = adjust_logits(logits, params, [s.prompt_token_ids for s in sampling],
+                                     [s.output_token_ids for s in sampling], self.eos_token_ids)
+            if guided:  # on CPU the forward keeps every core busy: masks computed beside it, or prefetched on a
+                # thread between steps, measured slower than here (benchmarks/structured_output.py)
+                adjusted = logits.clone() if adjusted is logits else adjusted
+                bitmask = masks.result() if masks is not None else fill_masks(matchers, self.model_config.vocab_size)
+                apply_masks(adjusted, guided, bitmask)
+            result = sample(logits, params, [s.generator for s in sampling], self.default_generator, adjusted)
         outputs = []
         for seq, token, logprob, top in zip(sampling, result.token_ids, result.logprobs, result.top_logprobs):
             seq.token_ids.append(token)
@@ -266,6 +271,12 @@ class Engine:
             prompt_top_logprobs=list(seq.prompt_top_logprobs) if seq.params.prompt_logprobs else None,
             prompt_ranks=list(seq.prompt_ranks) if seq.params.prompt_logprobs is not None else None,
         )
+
+
+def plain_greedy(p: SamplingParams) -> bool:
+    """Whether a request's next token is the argmax of the raw logits, which it then need not see:
+    greedy, no logprobs, nothing adjusting the logits (a grammar is checked apart)."""
+    return p.temperature < GREEDY_BELOW and p.logprobs is None and not needs_adjusting(p)
 
 
 def _min_over_ranks(n: int, device: torch.device) -> int:

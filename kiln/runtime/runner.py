@@ -22,9 +22,13 @@ class ModelRunner:
         kv_caches: list[torch.Tensor],
         block_size: int,
         device: torch.device,
+        greedy_tokens: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
     ):
         self.forward, self.compute_logits = forward, compute_logits
         self.kv_caches, self.block_size, self.device = kv_caches, block_size, device
+        self.greedy_tokens = greedy_tokens
+        """hidden -> each row's argmax token without the logits, or None when it cannot tell (a packed
+        LM head's `GreedyScreen`)."""
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         ids: list[int] = []
@@ -56,14 +60,18 @@ class ModelRunner:
         return t(ids, torch.int64), t(positions, torch.int64), meta
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, sample_rows: list[int], every_token_rows: Sequence[int] = ()
-                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def execute(self, batch: ScheduledBatch, sample_rows: list[int], every_token_rows: Sequence[int] = (),
+                greedy: bool = False) -> tuple[torch.Tensor | None, list[torch.Tensor], torch.Tensor | None]:
         """Run the batch; return fp32 logits [len(sample_rows), vocab] at the last token of each
-        listed sequence (by index into `batch.seqs`) and, for each of `every_token_rows`, the logits at
-        every token it ran (for prompt logprobs)."""
+        listed sequence (by index into `batch.seqs`), for each of `every_token_rows` the logits at
+        every token it ran (for prompt logprobs), and None. With `greedy` (each listed sequence takes
+        the argmax of its raw logits) the first and last are swapped where `greedy_tokens` can tell:
+        None, then the argmax tokens."""
         input_ids, positions, meta = self.prepare(batch)
         hidden = self.forward(input_ids, positions, self.kv_caches, meta)
         last = meta.query_start_loc[1:].long() - 1
         starts = list(itertools.accumulate(batch.num_tokens, initial=0))
         every = [self.compute_logits(hidden[starts[r]:starts[r + 1]]) for r in every_token_rows]
-        return self.compute_logits(hidden[last[sample_rows]]), every
+        sampled = hidden[last[sample_rows]]
+        tokens = self.greedy_tokens(sampled) if greedy and self.greedy_tokens is not None else None
+        return (self.compute_logits(sampled) if tokens is None else None), every, tokens

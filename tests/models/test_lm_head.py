@@ -1,13 +1,15 @@
 """The opt-in int8 LM head: its logits track full precision's, its greedy tokens mostly agree, and it is
-what both the eager and the compiled paths run once asked for."""
+what both the eager and the compiled paths run once asked for. The packed fp32 head's greedy screen:
+the fp32 argmax from bf16 logits, or no answer."""
 
 import pytest
 import torch
 
 from kiln import LLM, KilnError, SamplingParams
-from kiln.models.lm_head import Int8Head
+from kiln.models.lm_head import Int8Head, PackedHead
 from tests.oracle import PROMPTS
 
+ops = torch.ops.kiln
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
 
 
@@ -34,3 +36,67 @@ def test_compiled_program_keeps_the_int8_head(demo_dirs, kiln_cache):
 def test_unknown_head_quantization_is_refused(demo_dirs):
     with pytest.raises(KilnError, match="unknown LM head quantization 'int4'; choose from int8"):
         LLM(demo_dirs["llama"], lm_head_quantization="int4")
+
+
+def near_tied_head(vocab: int = 1280, hidden: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """A head and 5 hidden states, each with 24 rows of logits 1e-4 apart (fp32 tells them apart, bf16
+    rounding, independent per row, reorders them), the first state's best row with a twin at a lower
+    index (a tie that the first index wins)."""
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(vocab, hidden, generator=g) * 0.05
+    states = torch.randn(5, hidden, generator=g)
+    groups = torch.randperm(vocab, generator=g)[:5 * 24].view(5, 24)
+    for h, rows in zip(states, groups):
+        u = h / h.norm()
+        w = torch.randn(24, hidden, generator=g)
+        weight[rows] = w + (3 + 1e-4 * torch.arange(24.0) / h.norm() - w @ u)[:, None] * u
+    best = (states[0] @ weight.t()).argmax()
+    twin = min(set(range(vocab)) - set(groups.flatten().tolist()))
+    weight[twin] = weight[best].clone()
+    return weight, states
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("vocab", [1280, 1000])  # in blocks of 128, and not
+def test_greedy_screen_picks_the_fp32_argmax(vocab):
+    weight, hidden = near_tied_head(vocab)
+    ref = (hidden @ weight.t()).argmax(-1)
+    head = PackedHead(weight, screen=True)
+    bf16 = ops.onednn_linear(hidden.bfloat16(), head.screen.packed, None).float()
+    assert (bf16.gather(1, ref[:, None]).squeeze(1) < bf16.amax(-1)).any()  # bf16 alone picks other tokens
+    assert torch.equal(head.greedy(hidden), ref)
+    assert torch.equal(head.greedy(hidden[:1]), ref[:1])
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_greedy_screen_gives_up_where_it_cannot_tell():
+    weight, hidden = near_tied_head()
+    head = PackedHead(weight, screen=True)
+    assert head.greedy(torch.zeros(2, 64)) is None  # every logit ties: more candidates than the cap
+    nan = hidden.clone()
+    nan[1, 3] = float("nan")
+    assert head.greedy(nan) is None
+    assert PackedHead(weight, screen=False).greedy(hidden) is None
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_compiled_greedy_decoding_runs_on_the_screen(demo_dirs, packed_artifact, monkeypatch):
+    """An artifact whose LM head is packed picks greedy tokens through the screen (on a CPU without
+    bf16 arithmetic too, here), the same tokens as eager; a request that wants logprobs, or samples,
+    gets the logits."""
+    from kiln.models import lm_head
+
+    monkeypatch.setattr(lm_head, "cpu_has_native_bf16", lambda: True)
+    calls = []
+    screen = lm_head.GreedyScreen.__call__
+    monkeypatch.setattr(lm_head.GreedyScreen, "__call__", lambda self, h: calls.append(len(h)) or screen(self, h))
+    llm = LLM(demo_dirs["llama"], compile=True, require_artifact=True, cache_dir=packed_artifact.parent)
+    eager = LLM(demo_dirs["llama"])
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    got, ref = llm.generate(PROMPTS, plain), eager.generate(PROMPTS, plain)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert max(calls) == len(PROMPTS) and sum(calls) == 12 * len(PROMPTS)  # every token, batched
+    calls.clear()
+    logprobs = llm.generate(PROMPTS, GREEDY)
+    assert not calls and all(p is not None for o in logprobs for p in o.logprobs)
+    assert [o.token_ids for o in logprobs] == [o.token_ids for o in eager.generate(PROMPTS, GREEDY)]
