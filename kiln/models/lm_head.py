@@ -11,6 +11,7 @@ keeps 7-bit weight codes, which fbgemm multiplies on CPUs without VNNI without s
 
 import functools
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -32,14 +33,28 @@ of at most this many rows, packed concurrently."""
 
 class PackedHead:
     """hidden @ weight.T with the weight packed once in `format` (`kiln.kernels.packed_linear`).
-    `screen` (default: an fp32 weight on a CPU with bf16 arithmetic) adds a `GreedyScreen`."""
+
+    `screen` (default: an fp32 weight on a CPU with bf16 arithmetic) gives it a `GreedyScreen`, built
+    on the first greedy call (0.3-0.4 s for Qwen2.5's head): a start does not wait for it, and a
+    process that only samples never holds it. `pending_bytes` is what it will take until then."""
 
     def __init__(self, weight: torch.Tensor, format: str = "onednn", screen: bool | None = None):
         self.weight = packed_linear.pack(format, weight)
         if screen is None:
             screen = format == "onednn" and weight.dtype == torch.float32 and weight.device.type == "cpu" \
                 and cpu_has_native_bf16()
-        self.screen = GreedyScreen(weight) if screen else None
+        self.screens = screen
+        """Whether greedy calls go through a screen (built or still to build)."""
+        self.screen: GreedyScreen | None = None
+        self._plain = weight if screen else None
+
+    @property
+    def pending_bytes(self) -> int:
+        """Memory the screen will take when it is built: its bf16 copy and the buffer that packs it."""
+        if self._plain is None:
+            return 0
+        vocab, k = self._plain.shape
+        return (vocab + min(vocab, SCREEN_PACK_ROWS)) * k * 2
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return ops.onednn_linear(hidden, self.weight, None)
@@ -47,6 +62,11 @@ class PackedHead:
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The argmax token of each row's logits, without computing them; None where this head cannot
         tell (no screen, or the screen gave up): compute the logits then."""
+        if self._plain is not None:
+            start = time.perf_counter()
+            self.screen, self._plain = GreedyScreen(self._plain), None
+            logger.info("built the LM head's greedy screen (bf16, %d blocks) in %.2fs", len(self.screen.blocks),
+                        time.perf_counter() - start)
         return self.screen(hidden) if self.screen is not None else None
 
 
@@ -55,6 +75,10 @@ BF16_UNIT_ROUNDOFF = 2.0 ** -8
 SCREEN_BLOCK = 128
 """The screen finds each row's leaders among blocks of this many logits first, then inside the blocks
 that can hold one: two short passes instead of comparing every logit with the row's threshold."""
+SCREEN_PACK_ROWS = 32768
+"""The bf16 copy is converted and packed this many rows at a time, through one buffer: 60 MB of fresh
+memory faulted in for it instead of the whole copy's 272 MB (Qwen2.5's head; on a VM, page faults cost
+more than the copy), and the GEMM runs per block at the same speed."""
 SCREEN_MAX_CANDIDATES = 1024
 """Per row, on average: more candidate tokens (or blocks) than this, logits too close to call (e.g. a
 hidden state of zeros), and the screen gives up: the fp32 logits are computed instead. Computing
@@ -77,17 +101,25 @@ class GreedyScreen:
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight.detach()  # the fp32 rows candidates are computed from (the model keeps them)
-        self.packed = packed_linear.pack("onednn", self.weight.to(torch.bfloat16))
         vocab, k = weight.shape
         gamma = (k + 1) * 2.0 ** -24 / (1 - (k + 1) * 2.0 ** -24)
         self.c = 3.25 * BF16_UNIT_ROUNDOFF + 4 * gamma
-        self.max_row_norm = float(torch.linalg.vector_norm(self.weight, dim=1).max())
         self.tiny = k * 2.0 ** -126
         """Per unit of |h| + R: what bf16 kernels that flush subnormal inputs to zero can lose on top."""
+        self.blocks, norms = [], []
+        buffer = torch.empty(min(vocab, SCREEN_PACK_ROWS), k, dtype=torch.bfloat16)
+        for rows in self.weight.split(SCREEN_PACK_ROWS):
+            block = buffer[: len(rows)]
+            block.copy_(rows)
+            self.blocks.append(packed_linear.pack("onednn", block))
+            norms.append(torch.linalg.vector_norm(rows, dim=1).max())
+        self.max_row_norm = float(max(norms))
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[rows, K] fp32 hidden states -> [rows] int64 argmax tokens, or None if the screen cannot tell."""
-        y = ops.onednn_linear(hidden.to(torch.bfloat16), self.packed, None)
+        h = hidden.to(torch.bfloat16)
+        y = torch.cat([ops.onednn_linear(h, block, None) for block in self.blocks], 1) if len(self.blocks) > 1 \
+            else ops.onednn_linear(h, self.blocks[0], None)
         norm = torch.linalg.vector_norm(hidden, dim=1)
         window = 2 * self.c * self.max_row_norm * norm + self.tiny * (norm + self.max_row_norm)
         rows, vocab = y.shape

@@ -58,13 +58,20 @@ def near_tied_head(vocab: int = 1280, hidden: int = 64) -> tuple[torch.Tensor, t
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 @pytest.mark.parametrize("vocab", [1280, 1000])  # in blocks of 128, and not
-def test_greedy_screen_picks_the_fp32_argmax(vocab):
+@pytest.mark.parametrize("pack_rows", [32768, 384])  # packed whole, and in blocks
+def test_greedy_screen_picks_the_fp32_argmax(vocab, pack_rows, monkeypatch):
+    from kiln.models import lm_head
+
+    monkeypatch.setattr(lm_head, "SCREEN_PACK_ROWS", pack_rows)
     weight, hidden = near_tied_head(vocab)
     ref = (hidden @ weight.t()).argmax(-1)
     head = PackedHead(weight, screen=True)
-    bf16 = ops.onednn_linear(hidden.bfloat16(), head.screen.packed, None).float()
+    assert head.screen is None and head.pending_bytes == (vocab + min(vocab, pack_rows)) * 64 * 2  # built on use
+    got = head.greedy(hidden)
+    assert head.pending_bytes == 0 and len(head.screen.blocks) == -(-vocab // pack_rows)
+    bf16 = torch.cat([ops.onednn_linear(hidden.bfloat16(), b, None) for b in head.screen.blocks], 1).float()
     assert (bf16.gather(1, ref[:, None]).squeeze(1) < bf16.amax(-1)).any()  # bf16 alone picks other tokens
-    assert torch.equal(head.greedy(hidden), ref)
+    assert torch.equal(got, ref)
     assert torch.equal(head.greedy(hidden[:1]), ref[:1])
 
 
@@ -92,6 +99,8 @@ def test_compiled_greedy_decoding_runs_on_the_screen(demo_dirs, packed_artifact,
     monkeypatch.setattr(lm_head.GreedyScreen, "__call__", lambda self, h: calls.append(len(h)) or screen(self, h))
     llm = LLM(demo_dirs["llama"], compile=True, require_artifact=True, cache_dir=packed_artifact.parent)
     eager = LLM(demo_dirs["llama"])
+    vocab, hidden = llm.model.lm_head_weight().shape
+    assert llm.engine.runner.forward.reserved_bytes == (vocab + min(vocab, lm_head.SCREEN_PACK_ROWS)) * hidden * 2
     plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     got, ref = llm.generate(PROMPTS, plain), eager.generate(PROMPTS, plain)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
