@@ -48,13 +48,19 @@ def llama_artifact(demo_dirs, kiln_cache):
 
 @pytest.fixture(scope="session")
 def packed_artifact(demo_dirs, tmp_path_factory):
-    """The demo llama compiled with every projection on oneDNN's packed GEMM (the choice's timings
-    forced): its pieces call a kiln op through AOTInductor's proxy executor, so its blobs have call
-    tables (the KV-cache write, the other op a CPU piece called, is now Inductor's own code)."""
+    """The demo llama compiled int8 with every projection on fbgemm's packed int8 GEMM, and its LM head
+    packed for oneDNN (the choice's timings forced): its pieces call a kiln op through AOTInductor's
+    proxy executor, so its blobs have call tables (the KV-cache write and the oneDNN projections,
+    the other ops a CPU piece called, are now Inductor's own code or C shim calls)."""
     from kiln import LLM
+    from kiln.kernels import packed_linear
     from kiln.passes import gemm_choice
 
+    if not packed_linear.fbgemm_available():
+        pytest.skip("this torch has no fbgemm quantized linear")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gemm_choice, "_streamed_time", lambda fn, args: 0.5 if fn.kernel == "onednn" else 2.0)
+        mp.setattr(gemm_choice, "_streamed_time",
+                   lambda fn, args: 0.5 if fn.kernel in ("fbgemm_int8", "onednn") else 2.0)
         mp.setattr(gemm_choice, "MIN_TIMED_ELEMENTS", 0)  # the demo's projections are time-worthy here
-        return LLM(demo_dirs["llama"], compile=True, cache_dir=tmp_path_factory.mktemp("packed")).artifact_path
+        return LLM(demo_dirs["llama"], compile=True, quantization="int8",
+                   cache_dir=tmp_path_factory.mktemp("packed")).artifact_path

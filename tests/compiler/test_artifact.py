@@ -115,7 +115,7 @@ def _copy(llama_artifact: Path, tmp_path: Path) -> Path:
 
 def test_pieces_calling_kiln_ops_ship_their_call_tables(packed_artifact):
     """AOTInductor's proxy executor reads each op call of a piece from a table beside its library:
-    every piece that calls one (here oneDNN's packed GEMM) has its table, recorded with its bytes."""
+    every piece that calls one (here fbgemm's packed int8 GEMM) has its table, recorded with its bytes."""
     manifest = artifact.read_manifest(packed_artifact)
     entries = [e for v in manifest["variants"] for p in v["pieces"].values() for e in p["sizes"].values()]
     calls = {e["sha256"]: e["calls"]["bytes"] for e in entries if e["calls"] is not None}
@@ -124,15 +124,19 @@ def test_pieces_calling_kiln_ops_ship_their_call_tables(packed_artifact):
 
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_damaged_artifact_names_its_cause(tmp_path, demo_dirs, llama_artifact, packed_artifact, damage, capsys):
-    source = packed_artifact if damage == "damaged call table" else llama_artifact  # only it has call tables
+    tables = damage == "damaged call table"
+    source = packed_artifact if tables else llama_artifact  # only it has call tables (an int8 one)
+    quantization = ["--quantization", "int8"] if tables else []
     cache = _copy(source, tmp_path)
     hurt, message = DAMAGE[damage]
     hurt(cache / source.name)
     with pytest.raises(artifact.ArtifactError, match="run `kiln compile` again") as err:
-        LLM(demo_dirs["llama"], compile=True, cache_dir=cache, require_artifact=True)
+        LLM(demo_dirs["llama"], compile=True, cache_dir=cache, require_artifact=True,
+            quantization="int8" if tables else None)
     assert re.search(message, str(err.value))
     assert not any(re.search(m, str(err.value)) for d, (_, m) in DAMAGE.items() if d != damage)  # one cause each
-    argv = ["generate", str(demo_dirs["llama"]), "--prompt", "x", "--require-artifact", "--cache-dir", str(cache)]
+    argv = ["generate", str(demo_dirs["llama"]), "--prompt", "x", "--require-artifact", "--cache-dir", str(cache),
+            *quantization]
     assert main(argv) == 1
     assert re.search(message, capsys.readouterr().err)
 
