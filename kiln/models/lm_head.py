@@ -35,7 +35,7 @@ class PackedHead:
     """hidden @ weight.T with the weight packed once in `format` (`kiln.kernels.packed_linear`).
 
     `screen` (default: an fp32 weight on a CPU with bf16 arithmetic) gives it a `GreedyScreen`, built
-    on the first greedy call (0.3-0.4 s for Qwen2.5's head): a start does not wait for it, and a
+    on the first greedy call (about 0.5 s for Qwen2.5's head): a start does not wait for it, and a
     process that only samples never holds it. `pending_bytes` is what it will take until then."""
 
     def __init__(self, weight: torch.Tensor, format: str = "onednn", screen: bool | None = None):
