@@ -421,7 +421,7 @@ def test_malformed_requests_are_4xx(served):
     assert httpx.get(base + "/health").status_code == 200
 
 
-def test_schemathesis_checks_pass(served):
+def test_schemathesis_checks_pass(served, tmp_path):
     """schemathesis's CLI with all its checks (the default ones among them: a run of those alone, on the
     same seed's requests, added nothing) against the live server: no 5xx (it
     found a temperature of 1e-300 and a repetition_penalty of 5e-324 that killed the engine),
@@ -435,7 +435,7 @@ def test_schemathesis_checks_pass(served):
     checks = ["--checks", "all", "--exclude-checks", "positive_data_acceptance"]
     proc = subprocess.run([sys.executable, "-m", "schemathesis.cli", "run", served[0] + "/openapi.json", *checks,
                            "--max-examples", "25", "--seed", "1", "--request-timeout", "60"],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)  # its cache, not the repo's
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "5 selected / 5 total" in proc.stdout
 
