@@ -198,9 +198,9 @@ class CompiledProgram:
         if lm_head is not None:
             self.compute_logits = functools.partial(model.compute_logits, head=lm_head)
         single = getattr(getattr(model, "layout", None), "world_size", 1) == 1
-        self.greedy_tokens = lm_head.greedy if single and getattr(lm_head, "screens", False) else None
+        self.greedy_tokens = lm_head.greedy if single and lm_head is not None and lm_head.screens else None
         """hidden -> argmax tokens without the logits, or None when it cannot tell (`PackedHead.greedy`)."""
-        self.reserved_bytes = getattr(lm_head, "pending_bytes", 0) if self.greedy_tokens is not None else 0
+        self.reserved_bytes = lm_head.pending_bytes if self.greedy_tokens is not None else 0
         """Memory the program will take after the KV cache is sized (the LM head's screen, built on first use)."""
         self._per_call = [(i, spec) for i, spec in enumerate(inputs) if spec.kind in ("input", "meta", "kv_cache")]
         self._sizes = [(i, spec.of, spec.dim) for i, spec in enumerate(inputs) if spec.kind == "size"]

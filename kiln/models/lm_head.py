@@ -43,10 +43,13 @@ class PackedHead:
         if screen is None:
             screen = format == "onednn" and weight.dtype == torch.float32 and weight.device.type == "cpu" \
                 and cpu_has_native_bf16()
-        self.screens = screen
-        """Whether greedy calls go through a screen (built or still to build)."""
         self.screen: GreedyScreen | None = None
-        self._plain = weight if screen else None
+        self._plain = weight if screen else None  # the weight the screen is built from, until it is
+
+    @property
+    def screens(self) -> bool:
+        """Whether greedy calls go through a screen (built or still to build)."""
+        return self.screen is not None or self._plain is not None
 
     @property
     def pending_bytes(self) -> int:

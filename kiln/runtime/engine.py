@@ -183,7 +183,7 @@ class Engine:
             self._masks = self._masks or ThreadPoolExecutor(1, thread_name_prefix="kiln-grammar")
             masks = self._masks.submit(fill_masks, matchers, self.model_config.vocab_size)
         params = [s.params for s in sampling]
-        greedy = not guided and all(plain_greedy(p) for p in params)
+        greedy = bool(params) and not guided and all(plain_greedy(p) for p in params)  # a prefill chunk samples none
         logits, every, tokens = self.runner.execute(batch, rows, scoring, greedy)
         for i, chunk in zip(scoring, every):
             self._score_prompt(batch.seqs[i], chunk)

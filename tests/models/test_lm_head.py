@@ -104,8 +104,15 @@ def test_compiled_greedy_decoding_runs_on_the_screen(demo_dirs, packed_artifact,
     llm = LLM(demo_dirs["llama"], **options)
     vocab, hidden = llm.model.lm_head_weight().shape
     assert llm.engine.runner.forward.reserved_bytes == (vocab + min(vocab, lm_head.SCREEN_PACK_ROWS)) * hidden * 2
+    head = llm.engine.runner.greedy_tokens.__self__
+    sampled = SamplingParams(max_tokens=3, temperature=1.0, seed=0)
+    chunked = LLM(demo_dirs["llama"], max_num_batched_tokens=8, **options)  # prefill chunks sample no row
+    chunked.generate(PROMPTS[2:3], sampled)
+    assert chunked.engine.runner.greedy_tokens.__self__.screen is None and not calls  # sampling never builds it
+    assert head.screen is None
     plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     got, ref = llm.generate(PROMPTS, plain), logits.generate(PROMPTS, plain)
+    assert head.screen is not None and head.pending_bytes == 0
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert max(calls) == len(PROMPTS) and sum(calls) == 12 * len(PROMPTS)  # every token, batched
     calls.clear()
