@@ -32,9 +32,12 @@ def register() -> bool:
         from torch._inductor.virtualized import V
     except ImportError:
         return False
-    expected = ["x", "w", "B", "attr", "scalars", "algorithm"]
-    if list(inspect.signature(mkldnn_ir.LinearUnary.create).parameters) != expected or \
-            not hasattr(mkldnn_ir, "QLinearPointwisePT2E") or not hasattr(mkldnn_ir, "may_convert_to_optional"):
+    def parameters(fn) -> list[str]:
+        return list(inspect.signature(fn).parameters)
+
+    if not hasattr(mkldnn_ir, "QLinearPointwisePT2E") or not hasattr(mkldnn_ir, "may_convert_to_optional") or \
+            parameters(mkldnn_ir.LinearUnary.create) != ["x", "w", "B", "attr", "scalars", "algorithm"] or \
+            parameters(mkldnn_ir.QLinearPointwisePT2E) != ["layout", "inputs", "constant_args", "has_bias"]:
         logger.info("this torch's Inductor builds oneDNN linears differently: kiln's oneDNN ops stay proxy calls")
         return False
     ops = torch.ops.kiln
