@@ -3,9 +3,9 @@ model's decode step (Qwen2.5-0.5B's is 545 MB in fp32, more than a third of what
 
 `PackedHead` runs it on a oneDNN-packed copy of the weight (what a CPU artifact asks for when the
 compiler measured it faster); where the CPU has bf16 arithmetic it also picks greedy tokens without
-the fp32 logits (`GreedyScreen`), exactly, from half the bytes. `Int8Head` is the opt-in int8 head (`LLM(lm_head_quantization="int8")`,
-`--lm-head-quantization int8`): weights per output channel, activations per token, a quarter of
-fp32's bytes; its effect on greedy agreement is what `benchmarks/quantization.py` reports. "w7a8"
+the fp32 logits (`GreedyScreen`), exactly, from half the bytes. `Int8Head` is the opt-in int8 head
+(`LLM(lm_head_quantization="int8")`, `--lm-head-quantization int8`): weights per output channel,
+activations per token, a quarter of fp32's bytes; its effect on greedy agreement is what `benchmarks/quantization.py` reports. "w7a8"
 keeps 7-bit weight codes, which fbgemm multiplies on CPUs without VNNI without splitting the rows.
 """
 
