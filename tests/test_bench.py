@@ -210,6 +210,8 @@ def test_decode_weight_bytes_count_the_head_once_and_no_embedding_lookup(demo_di
     int8 = LLM(demo_dirs["llama"], lm_head_quantization="int8").model
     head = int8.lm_head_weight()
     assert decode_weight_bytes(int8) == expected_int8(int8, head)
+    full = LLM(demo_dirs["llama"]).model  # greedy steps through the screen read its int8 copy of the head
+    assert decode_weight_bytes(full, screened=True) == expected_int8(full, full.lm_head_weight())
 
 
 def expected_int8(model, head):

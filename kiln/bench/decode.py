@@ -40,8 +40,8 @@ def read_bandwidth(repeats: int = 5) -> float:
 
 def decode_weight_bytes(model, screened: bool = False) -> int:
     """The bytes of weights one decode step reads: every parameter but the embedding table (looked up
-    by row), plus the LM head as it runs (int8 codes and scales for an int8 head; `screened`: the bf16
-    copy a `GreedyScreen` reads for greedy tokens)."""
+    by row), plus the LM head as it runs (int8 codes and scales for an int8 head, and for the copy a
+    `GreedyScreen` reads for greedy tokens when `screened`)."""
     from kiln.compiler.program import RELEASED
 
     head = model.lm_head_weight()
@@ -50,9 +50,9 @@ def decode_weight_bytes(model, screened: bool = False) -> int:
     total += sum(p.numel() * p.element_size() for p in model.parameters() if p is not head
                  and p is not model.model.embed_tokens.weight)
     kernel = model.lm_head_kernel
-    if kernel is not None and hasattr(kernel, "scale"):  # the int8 head: one byte a weight, a scale a row
-        return total + head.numel() + kernel.scale.numel() * kernel.scale.element_size()
-    return total + head.numel() * (2 if screened else head.element_size())
+    if screened or kernel is not None and hasattr(kernel, "scale"):  # int8: one byte a weight, a scale a row
+        return total + head.numel() + head.shape[0] * 4
+    return total + head.numel() * head.element_size()
 
 
 def decode_step_seconds(llm, batch: int, steps: int, prompt_len: int = 32, vocab: int = 1000) -> float:
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
               lm_head_quantization=args.lm_head_quantization, threads=args.threads,
               max_num_seqs=max(args.batches))
     bandwidth = read_bandwidth()
-    screened = llm.engine.runner.greedy_tokens is not None  # greedy steps read the head's bf16 copy
+    screened = llm.engine.runner.greedy_tokens is not None  # greedy steps read the head's int8 copy
     weights = decode_weight_bytes(llm.model, screened)
     floor_ms = weights / bandwidth * 1e3
     decode_step_seconds(llm, 1, 2, args.prompt_len)  # warm-up: first-call costs

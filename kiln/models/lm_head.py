@@ -2,11 +2,12 @@
 model's decode step (Qwen2.5-0.5B's is 545 MB in fp32, more than a third of what a token reads).
 
 `PackedHead` runs it on a oneDNN-packed copy of the weight (what a CPU artifact asks for when the
-compiler measured it faster); where the CPU has bf16 arithmetic it also picks greedy tokens without
-the fp32 logits (`GreedyScreen`), exactly, from half the bytes. `Int8Head` is the opt-in int8 head
-(`LLM(lm_head_quantization="int8")`, `--lm-head-quantization int8`): weights per output channel,
-activations per token, a quarter of fp32's bytes; its effect on greedy agreement is what `benchmarks/quantization.py` reports. "w7a8"
-keeps 7-bit weight codes, which fbgemm multiplies on CPUs without VNNI without splitting the rows.
+compiler measured it faster); where the CPU has an exact int8 GEMM it also picks greedy tokens
+without the fp32 logits (`GreedyScreen`), exactly, from a quarter of the bytes. `Int8Head` is the
+opt-in int8 head (`LLM(lm_head_quantization="int8")`, `--lm-head-quantization int8`): weights per
+output channel, activations per token, a quarter of fp32's bytes; its effect on greedy agreement is
+what `benchmarks/quantization.py` reports. "w7a8" keeps 7-bit weight codes, which fbgemm multiplies
+on CPUs without VNNI without splitting the rows.
 """
 
 import functools
@@ -16,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kiln.config import LM_HEAD_QUANTIZATIONS, cpu_has_native_bf16
+from kiln.config import LM_HEAD_QUANTIZATIONS
 from kiln.errors import KilnError
 from kiln.kernels import packed_linear, quantize_weight
 from kiln.models.quantization import SCHEMES
@@ -31,20 +32,29 @@ FBGEMM_PACK_ROWS = 40_000
 of at most this many rows, packed concurrently."""
 
 
+def screen_kernel() -> str | None:
+    """The int8 GEMM a greedy screen runs on this CPU: oneDNN's where it is exact (VNNI or AMX),
+    else fbgemm's on 7-bit weight codes (exact on AVX2 too); None where neither is."""
+    if packed_linear.int8_gemm_exact():
+        return "onednn_int8"
+    return "fbgemm_w7a8" if packed_linear.fbgemm_available() else None
+
+
 class PackedHead:
     """hidden @ weight.T with the weight packed once in `format` (`kiln.kernels.packed_linear`).
 
-    `screen` (default: an fp32 weight on a CPU with bf16 arithmetic) gives it a `GreedyScreen`, built
-    on the first greedy call (about 0.5 s for Qwen2.5's head): a start does not wait for it, and a
-    process that only samples never holds it. `pending_bytes` is what it will take until then."""
+    `screen` (default: an fp32 weight on a CPU with an exact int8 GEMM, `screen_kernel`) gives it a
+    `GreedyScreen`, built on the first greedy call (0.64 s for Qwen2.5's head, measured once): a start
+    does not wait for it, and a process that only samples never holds it. `pending_bytes` is what it
+    will take until then."""
 
     def __init__(self, weight: torch.Tensor, format: str = "onednn", screen: bool | None = None):
         self.weight = packed_linear.pack(format, weight)
         if screen is None:
-            screen = format == "onednn" and weight.dtype == torch.float32 and weight.device.type == "cpu" \
-                and cpu_has_native_bf16()
+            screen = format == "onednn" and weight.dtype == torch.float32 and weight.device.type == "cpu"
+        self.screen_kernel = screen_kernel() if screen else None
         self.screen: GreedyScreen | None = None
-        self._plain = weight if screen else None  # the weight the screen is built from, until it is
+        self._plain = weight if self.screen_kernel else None  # the weight the screen is built from, until it is
 
     @property
     def screens(self) -> bool:
@@ -53,11 +63,12 @@ class PackedHead:
 
     @property
     def pending_bytes(self) -> int:
-        """Memory the screen will take when it is built: its bf16 copy and the buffer that packs it."""
+        """Memory the screen will take when it is built: its int8 copy with a scale a row, and the
+        block of codes it is packed from."""
         if self._plain is None:
             return 0
         vocab, k = self._plain.shape
-        return (vocab + min(vocab, SCREEN_PACK_ROWS)) * k * 2
+        return vocab * (k + 4) + min(vocab, SCREEN_PACK_ROWS) * k
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return ops.onednn_linear(hidden, self.weight, None)
@@ -67,21 +78,20 @@ class PackedHead:
         tell (no screen, or the screen gave up): compute the logits then."""
         if self._plain is not None:
             start = time.perf_counter()
-            self.screen, self._plain = GreedyScreen(self._plain), None
-            logger.info("built the LM head's greedy screen (bf16, %d blocks) in %.2fs", len(self.screen.blocks),
-                        time.perf_counter() - start)
+            self.screen, self._plain = GreedyScreen(self._plain, self.screen_kernel), None
+            logger.info("built the LM head's greedy screen (int8 on %s, %d blocks) in %.2fs", self.screen_kernel,
+                        len(self.screen.blocks), time.perf_counter() - start)
         return self.screen(hidden) if self.screen is not None else None
 
 
-BF16_UNIT_ROUNDOFF = 2.0 ** -8
-"""bf16 keeps 8 significant bits: rounding to nearest moves a value by at most this fraction of it."""
+UNIT_ROUNDOFF = 2.0 ** -24
+"""fp32 rounding to nearest moves a value by at most this fraction of it."""
 SCREEN_BLOCK = 128
 """The screen finds each row's leaders among blocks of this many logits first, then inside the blocks
 that can hold one: two short passes instead of comparing every logit with the row's threshold."""
 SCREEN_PACK_ROWS = 32768
-"""The bf16 copy is converted and packed this many rows at a time, through one buffer: 60 MB of fresh
-memory faulted in for it instead of the whole copy's 272 MB (Qwen2.5's head; on a VM, page faults cost
-more than the copy), and the GEMM runs per block at the same speed."""
+"""The int8 copy is quantized and packed this many rows at a time: 29 MB of codes in flight for
+Qwen2.5's head instead of the whole copy's 136 MB, and the GEMM runs per block at the same speed."""
 SCREEN_MAX_CANDIDATES = 1024
 """Per row, on average: more candidate tokens (or blocks) than this, logits too close to call (e.g. a
 hidden state of zeros), and the screen gives up: the fp32 logits are computed instead. Computing
@@ -89,59 +99,84 @@ hidden state of zeros), and the screen gives up: the fp32 logits are computed in
 
 
 class GreedyScreen:
-    """The argmax of the fp32 logits hidden @ W.T, reading a bf16 copy of W: half the bytes of the
-    largest matmul of a small model's decode step (a quarter of Qwen2.5-0.5B's), and twice the FLOP
-    rate of fp32 where the CPU has bf16 arithmetic. Exact: the bf16 logits bound every fp32 logit,
-    and only the tokens whose bound reaches the leader's are computed again in fp32.
+    """The argmax of the fp32 logits hidden @ W.T, from an int8 GEMM on an int8 copy of W: a quarter
+    of the bytes of the largest matmul of a small model's decode step. Exact: the int8 logits bound
+    every fp32 logit, and only the tokens whose bound reaches the fp32 logit of the int8 leader are
+    computed again in fp32.
 
-    The bound. A bf16 logit y_i differs from the fp32 one f_i by at most
-    c * sum_j |W_ij h_j| <= c * |W_i| |h| <= c * R |h| (Cauchy-Schwarz; R the largest row norm of W), with
-    c = 3.25 u + 4 gamma: u for rounding each of W, h and the bf16 output, gamma = (K + 1) 2^-24 / (1 -
-    (K + 1) 2^-24) for summing K products in fp32 (bf16 products are exact in fp32), in the bf16 GEMM and
-    in f itself; the 0.25 u covers the second-order terms. So the token with the largest f has
-    y >= max(y) - 2 c R |h|, and every such token is a candidate; the fp32 argmax of the candidates (the
-    first of equal ones, as torch's argmax) is the argmax of all."""
+    The bound. h is quantized per row to codes q with scale s, h' = s q; row i of W to codes c_i with
+    scale t_i, W'_i = t_i c_i. The GEMM sums q . c_i exactly in int32 and returns y_i = t_i (q . c_i),
+    rounded twice in fp32, so s y_i = h' . W'_i (1 + d), |d| <= 2.01 u. An fp32 logit f_i differs from
+    h . W_i by at most gamma |h| |W_i| (summing K products; gamma = (K + 1) u / (1 - (K + 1) u)), and
+    h . W_i - h' . W'_i = (h - h') . W_i + h' . (W_i - W'_i). So (Cauchy-Schwarz)
+    |f_i - s y_i| <= B = |h - h'| R + |h'| D + 3.01 u |h'| R' + gamma |h| R, with R, R' and D the
+    largest row norms of W, W' and W - W', measured at build (D from W' rounded to fp32, which may miss
+    u R': the third u covers it). A token with f_i >= f_L, L the int8 argmax, has
+    y_i >= (f_L - B - 2 gamma |h| R) / s (f_L is computed apart from the candidates, so in another
+    order of sums, maybe): those are the candidates, and the fp32 argmax of the candidates (the first
+    of equal ones, as torch's argmax) is the argmax of all. A step's norms are taken in fp64; those of W in fp32, raised
+    by 2 gamma, so their own rounding stays inside."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, kernel: str = "onednn_int8"):
         self.weight = weight.detach()  # the fp32 rows candidates are computed from (the model keeps them)
+        self.kernel = kernel
         vocab, k = weight.shape
-        gamma = (k + 1) * 2.0 ** -24 / (1 - (k + 1) * 2.0 ** -24)
-        self.c = 3.25 * BF16_UNIT_ROUNDOFF + 4 * gamma
-        self.tiny = k * 2.0 ** -126
-        """Per unit of |h| + R: what bf16 kernels that flush subnormal inputs to zero can lose on top."""
-        self.blocks, norms = [], []
-        buffer = torch.empty(min(vocab, SCREEN_PACK_ROWS), k, dtype=torch.bfloat16)
+        self.gamma = (k + 1) * UNIT_ROUNDOFF / (1 - (k + 1) * UNIT_ROUNDOFF)
+        weight_max = packed_linear.W7A8_MAX if kernel == "fbgemm_w7a8" else None
+        self.blocks, self.scales, norms = [], [], torch.zeros(3)
         for rows in self.weight.split(SCREEN_PACK_ROWS):
-            block = buffer[: len(rows)]
-            block.copy_(rows)
-            self.blocks.append(packed_linear.pack("onednn", block))
-            norms.append(torch.linalg.vector_norm(rows, dim=1).max())
-        self.max_row_norm = float(max(norms))
+            codes, scale = quantize_weight(rows, torch.int8, weight_max)
+            self.blocks.append(packed_linear.pack(kernel, codes))
+            self.scales.append(scale)
+            norms = torch.maximum(norms, self._norms(rows, codes, scale))
+        self.max_row_norm, self.max_quant_row_norm, self.max_error_row_norm = (norms * (1 + 2 * self.gamma)).tolist()
+
+    @staticmethod
+    def _norms(rows: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The largest row norms of W, W' and W - W' over one block, a few MB of rows at a time."""
+        out = torch.zeros(3)
+        for w, c, t in zip(rows.split(2048), codes.split(2048), scale.split(2048)):
+            quant = c.float().mul_(t[:, None])
+            norms = [torch.linalg.vector_norm(w, dim=1).max(), torch.linalg.vector_norm(quant, dim=1).max()]
+            norms.append(torch.linalg.vector_norm(quant.sub_(w), dim=1).max())
+            out = torch.maximum(out, torch.stack(norms))
+        return out
+
+    def _logits(self, codes: torch.Tensor) -> torch.Tensor:
+        """[rows, K] int8 codes -> [rows, vocab] fp32 t_i (q . c_i)."""
+        if self.kernel == "onednn_int8":
+            a = packed_linear.shift_int8(codes)
+            outs = [ops.onednn_int8_linear(a, block, scale) for block, scale in zip(self.blocks, self.scales)]
+        else:
+            outs = [packed_linear.fbgemm_w7a8_linear(codes, block).mul_(scale)
+                    for block, scale in zip(self.blocks, self.scales)]
+        return torch.cat(outs, 1) if len(outs) > 1 else outs[0]
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[rows, K] fp32 hidden states -> [rows] int64 argmax tokens, or None if the screen cannot tell."""
-        h = hidden.to(torch.bfloat16)
-        y = torch.cat([ops.onednn_linear(h, block, None) for block in self.blocks], 1) if len(self.blocks) > 1 \
-            else ops.onednn_linear(h, self.blocks[0], None)
-        norm = torch.linalg.vector_norm(hidden, dim=1)
-        window = 2 * self.c * self.max_row_norm * norm + self.tiny * (norm + self.max_row_norm)
+        y, s, window = self._screen_logits(hidden)
         rows, vocab = y.shape
-        if vocab % SCREEN_BLOCK == 0:
+        blocked = vocab % SCREEN_BLOCK == 0
+        if blocked:
             blocks = y.view(rows, vocab // SCREEN_BLOCK, SCREEN_BLOCK)
-            block_max = blocks.amax(-1).float()
-            threshold = block_max.amax(-1) - window
-            if not torch.isfinite(threshold).all():  # NaN, or an infinite logit: let the fp32 logits decide
-                return None
+            block_max = blocks.amax(-1)
+            top = block_max.argmax(-1)
+            lead = top * SCREEN_BLOCK + blocks[torch.arange(rows), top].argmax(-1)
+        else:
+            lead = y.argmax(-1)
+        # a token beats the int8 leader only if its bound reaches the leader's fp32 logit
+        lead_logit = torch.linalg.vecdot(self.weight[lead], hidden).double()
+        threshold = ((lead_logit - window) / s.double()).float()
+        threshold = torch.nextafter(threshold, threshold.new_tensor(float("-inf")))  # rounded down, not to nearest
+        if not bool(torch.isfinite(threshold).all()):  # NaN or infinite: let the fp32 logits decide
+            return None
+        if blocked:
             row, block = (block_max >= threshold[:, None]).nonzero(as_tuple=True)
             if len(row) > rows * SCREEN_MAX_CANDIDATES:
                 return None
-            i, offset = (blocks[row, block].float() >= threshold[row, None]).nonzero(as_tuple=True)
+            i, offset = (blocks[row, block] >= threshold[row, None]).nonzero(as_tuple=True)
             row, token = row[i], block[i] * SCREEN_BLOCK + offset
         else:
-            y = y.float()
-            threshold = y.amax(-1) - window
-            if not torch.isfinite(threshold).all():
-                return None
             row, token = (y >= threshold[:, None]).nonzero(as_tuple=True)
         if len(row) > rows * SCREEN_MAX_CANDIDATES:
             return None
@@ -151,6 +186,40 @@ class GreedyScreen:
         first = torch.ones_like(lead, dtype=torch.bool)
         first[1:] = row[lead[1:]] != row[lead[:-1]]
         return token[lead[first]]
+
+    def _screen_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[rows, K] fp32 hidden states -> (y [rows, vocab] fp32, the scale s [rows] that makes s y the
+        logits, and the window [rows] fp64 below the leader's fp32 logit that holds every candidate:
+        the class's B and the 2 gamma |h| R of recomputing the leader).
+
+        A row whose quantization error outweighs the weight's (|h - h'| R > |h'| D: a few outlier
+        channels set a coarse scale) gets a second row of codes, its residual h - h' quantized in turn:
+        the GEMM sums both, and the error left is the residual's residual, two orders smaller."""
+        codes, s = ops.quant_int8(hidden, None)
+        h, quant = hidden.double(), codes.double().mul_(s.double())
+        norm, quant_norm = torch.linalg.vector_norm(h, dim=1), torch.linalg.vector_norm(quant, dim=1)
+        error = torch.linalg.vector_norm(quant.sub_(h), dim=1)
+        wide = (error * self.max_row_norm > quant_norm * self.max_error_row_norm).nonzero().squeeze(1)
+        if len(wide) == 0:
+            y = self._logits(codes)
+            rounding = 3.01 * UNIT_ROUNDOFF * quant_norm
+        else:
+            residual = quant[wide].neg_().float()  # h - h' (rounded to fp32: the bound counts the codes it gets)
+            residual_codes, residual_s = ops.quant_int8(residual, None)
+            both = self._logits(torch.cat([codes, residual_codes]))
+            y, residual_y = both[: len(codes)], both[len(codes):]
+            ratio = residual_s.squeeze(1) / s[wide].squeeze(1)
+            y[wide] = residual_y.mul_(ratio[:, None]).add_(y[wide])  # (s y + s_r y_r) / s, three more roundings
+            rest = quant[wide].add_(residual_codes.double().mul_(residual_s.double()))  # h' + h'_r - h
+            error = error.clone()
+            error[wide] = torch.linalg.vector_norm(rest, dim=1)
+            residual_norm = torch.zeros_like(norm)
+            residual_norm[wide] = torch.linalg.vector_norm(residual_codes.double() * residual_s.double(), dim=1)
+            quant_norm = quant_norm + residual_norm  # |h' + h'_r| <= |h'| + |h'_r|
+            rounding = 6.01 * UNIT_ROUNDOFF * quant_norm
+        bound = error * self.max_row_norm + quant_norm * self.max_error_row_norm \
+            + rounding * self.max_quant_row_norm + self.gamma * norm * self.max_row_norm
+        return y, s.squeeze(1), bound + 2 * self.gamma * norm * self.max_row_norm
 
 
 class Int8Head:
