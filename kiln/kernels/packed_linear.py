@@ -1,6 +1,7 @@
 """Projections on weights packed once at load time into the layout a CPU kernel wants: oneDNN's
-blocked float GEMM, its int8 GEMM (VNNI or AMX where the CPU has them), and fbgemm's int8 GEMM (fast
-on AVX2 CPUs without VNNI, made exact there by splitting the activations, or by 7-bit weight codes).
+blocked float GEMM, its int8 GEMM (VNNI or AMX where the CPU has them), fbgemm's int8 GEMM (fast
+on AVX2 CPUs without VNNI, made exact there by splitting the activations, or by 7-bit weight codes),
+and kiln's own fp32 panel GEMM for decode batches (`kiln.kernels.panel_linear`).
 
 The artifact stays independent of the weights: a compiled graph calls these ops on a weight input,
 the manifest records which weights take which format, and the runtime packs them (`pack`) when it
@@ -15,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from kiln.kernels import panel_linear
 
 ops = torch.ops.kiln
 
@@ -84,6 +87,7 @@ FORMATS = {f.name: f for f in (
     WeightFormat("fbgemm_w7a8", _fbgemm_int8, "fbgemm's packed weight of 7-bit codes, for fbgemm_w7a8_linear"),
     WeightFormat("onednn_fp8_as_fp32", _onednn_fp8_widened,
                  "fp8 codes widened to fp32 once, oneDNN blocked layout, for kiln::onednn_linear"),
+    WeightFormat("panels16", panel_linear.pack, "fp32 in panels of 16 output channels, for kiln::panel_linear"),
 )}
 
 

@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 from torch._guards import detect_fake_mode
 
-from kiln.kernels import packed_linear
+from kiln.kernels import packed_linear, panel_linear
 
 logger = logging.getLogger(__name__)
 
@@ -160,9 +160,10 @@ def _sites(graph: fx.Graph, int8_kind: str = "int8") -> dict[_Signature, list[tu
 
 
 def lm_head_choice(weight: torch.Tensor, tokens: Sequence[int], timer: Timer | None = None) -> GemmChoice:
-    """The same decision for the LM head's weight, which runs outside the compiled graph."""
+    """The same decision for the LM head's weight, which runs outside the compiled graph (so not on
+    the panel GEMM, which runs compiled into a piece only)."""
     return _measure(_Signature("float", tuple(weight.shape), weight.dtype, False), tuple(tokens),
-                    timer or _streamed_time)
+                    timer or _streamed_time, candidates=("onednn",))
 
 
 def _with_calls(choice: GemmChoice, calls: int) -> GemmChoice:
@@ -236,8 +237,9 @@ def _insert(graph: fx.Graph, target, args: tuple, kwargs: dict | None = None) ->
 def _rewrite_float(graph: fx.Graph, node: fx.Node, weight: fx.Node, kernel: str) -> None:
     x, bias = (node.args[0], None) if node.target is aten.mm.default else (node.args[1], node.args[0])
     transposed = node.args[1] if node.target is aten.mm.default else node.args[2]
+    op = ops.panel_linear.default if kernel == "panels16" else ops.onednn_linear.default
     with graph.inserting_before(node):
-        new = _insert(graph, ops.onednn_linear.default, (x, weight, bias))
+        new = _insert(graph, op, (x, weight, bias))
     node.replace_all_uses_with(new)
     graph.erase_node(node)
     if not transposed.users:  # a transpose of the packed (opaque) weight must not run
@@ -311,9 +313,10 @@ def _rewrite_fp8(graph: fx.Graph, node: fx.Node, weight: fx.Node, kernel: str) -
 
 
 _REWRITES = {"float": _rewrite_float, "int8": _rewrite_int8, "w7a8": _rewrite_int8, "fp8": _rewrite_fp8}
-_CANDIDATES = {"float": ("onednn",), "int8": ("onednn_int8", "fbgemm_int8", "widened"),
+_CANDIDATES = {"float": ("onednn", "panels16"), "int8": ("onednn_int8", "fbgemm_int8", "widened"),
                "w7a8": ("onednn_int8", "fbgemm_w7a8", "widened"), "fp8": ("onednn_fp8_as_fp32",)}
-"""Per kind, the kernels tried against torch's GEMM: packed formats (`packed_linear.FORMATS`; "w7a8"
+"""Per kind, the kernels tried against torch's GEMM: packed formats (`packed_linear.FORMATS`; "panels16"
+is kiln's fp32 GEMM for decode batches, timed as built alone, run compiled into the piece; "w7a8"
 weights run fbgemm's int8 GEMM without the split that 8-bit codes need, and oneDNN's exactly on CPUs
 without VNNI, where it beats fbgemm on prefill chunks), and for int8 "widened",
 codes widened to fp32 per call for torch's float GEMM (exact: integer products, and
@@ -347,16 +350,23 @@ def _unavailable(sig: _Signature, candidate: str) -> str | None:
         return "oneDNN's int8 GEMM saturates on this CPU (no VNNI)"
     if candidate.startswith("fbgemm") and not packed_linear.fbgemm_available():
         return "this torch has no fbgemm quantized linear"
+    if candidate == "panels16":
+        from kiln.compiler import panel_lowering
+
+        if not panel_lowering.register():
+            return "this torch's Inductor cannot compile the panel GEMM into a piece"
+        return panel_linear.available(sig.shape, sig.dtype)
     return None
 
 
-def _measure(sig: _Signature, tokens: tuple[int, ...], timer: Timer) -> GemmChoice:
-    """Time the baseline and each packed candidate at each token count, on random weights in enough
-    copies to stream from memory as a model's do; the fastest candidate faster than the baseline at
-    every count wins."""
+def _measure(sig: _Signature, tokens: tuple[int, ...], timer: Timer,
+             candidates: tuple[str, ...] | None = None) -> GemmChoice:
+    """Time the baseline and each packed candidate (default: the kind's) at each token count, on
+    random weights in enough copies to stream from memory as a model's do; the fastest candidate
+    faster than the baseline at every count wins."""
     n, k = sig.shape
     dtype = str(sig.dtype).removeprefix("torch.")
-    candidates = _CANDIDATES[sig.kind]
+    candidates = candidates or _CANDIDATES[sig.kind]
     if sig.kind != "fp8" and n * k < MIN_TIMED_ELEMENTS:
         return GemmChoice(sig.kind, sig.shape, dtype, "aten", tokens, {},
                           rejected={c: f"{n} x {k} weights: too small to time apart" for c in candidates})
@@ -437,6 +447,9 @@ def _runner(sig: _Signature, kernel: str, weights: list[torch.Tensor], scale: to
     if sig.kind == "float":
         if kernel == "aten":
             return (lambda x: torch.addmm(bias, x, weight().t())) if bias is not None else (lambda x: x @ weight().t())
+        if kernel == "panels16":
+            gemm = panel_linear.timing_kernel()
+            return lambda x: gemm(x, weight(), bias)
         return lambda x: ops.onednn_linear(x, weight(), bias)
     if sig.kind in INT8_KINDS:  # the GEMMs alone: the graph fuses the shift and the epilogue into other loops
         if kernel == "aten":

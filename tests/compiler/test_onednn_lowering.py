@@ -20,8 +20,11 @@ def _library(fn, examples: list[torch.Tensor], tmp_path):
     """`fn` compiled for `examples` (the first dynamic in its rows), loaded; and its C++ source."""
     mode = FakeTensorMode(shape_env=ShapeEnv())
     rows = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC], constraint_sizes=[None] * 2)
-    static = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.STATIC] * 2, constraint_sizes=[None] * 2)
-    inputs = [mode.from_tensor(t, symbolic_context=rows if i == 0 else static) for i, t in enumerate(examples)]
+
+    def static(t):
+        return StatelessSymbolicContext(dynamic_sizes=[DimDynamic.STATIC] * t.dim(), constraint_sizes=[None] * t.dim())
+
+    inputs = [mode.from_tensor(t, symbolic_context=rows if i == 0 else static(t)) for i, t in enumerate(examples)]
     graph = normalize(fx.symbolic_trace(fn))
     for node, value in zip(graph.graph.find_nodes(op="placeholder"), inputs):
         node.meta["val"] = value

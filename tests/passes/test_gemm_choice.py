@@ -1,5 +1,5 @@
-"""The CPU GEMM choice: each projection signature measured once, retargeted to the packed oneDNN
-kernel where it is faster and gives torch's numbers, its weights recorded for packing at load. A
+"""The CPU GEMM choice: each projection signature measured once, retargeted to a packed kernel
+(oneDNN's, fbgemm's, kiln's panel GEMM) where it is faster and gives torch's numbers, its weights recorded for packing at load. A
 stand-in timer decides here (timings are a benchmark's business); the numbers are real."""
 
 import pytest
@@ -49,20 +49,27 @@ def _weight_names(traced, formats: dict[str, str]) -> dict[str, str]:
     return {names[t]: f for t, f in formats.items()}
 
 
-def test_float_projections_move_to_packed_weights(quantized_llms, traced_graphs):
+FLOAT_OPS = {"onednn": ops.onednn_linear, "panels16": ops.panel_linear}
+
+
+@pytest.mark.parametrize("kernel", gemm_choice._CANDIDATES["float"])
+def test_float_projections_move_to_packed_weights(quantized_llms, traced_graphs, kernel):
     llm, traced = quantized_llms[None], fresh(traced_graphs[None])
     layers = llm.model_config.num_layers
+    if (why := gemm_choice._unavailable(gemm_choice._Signature("float", (64, 8), torch.float32, False), kernel)):
+        pytest.skip(f"{kernel}: {why}: never chosen here")
     timed = []
-    choices, formats = GemmChooser(timer=packed_faster(timed))(traced.graph.graph, (1, 16))
+    choices, formats = GemmChooser(timer=packed_faster(timed, fastest=kernel))(traced.graph.graph, (1, 16))
     traced.graph.recompile()
     graph = traced.graph.graph
-    assert count_ops(graph, ops.onednn_linear) == 4 * layers  # qkv, o, gate_up, down
+    assert count_ops(graph, FLOAT_OPS[kernel]) == 4 * layers  # qkv, o, gate_up, down
     assert count_ops(graph, aten.mm) == count_ops(graph, aten.addmm) == 0
-    assert sorted(timed) == [1] * 2 * len(choices) + [16] * 2 * len(choices)  # each signature once per count
-    assert all(c.kernel == "onednn" and c.kind == "float" and c.ms["onednn"] == (1.0, 1.0) for c in choices)
+    runs = len(gemm_choice._CANDIDATES["float"]) + 1
+    assert sorted(timed) == [1] * runs * len(choices) + [16] * runs * len(choices)  # each signature once per count
+    assert all(c.kernel == kernel and c.kind == "float" and c.ms[kernel] == (0.5, 0.5) for c in choices)
     assert sum(c.calls for c in choices) == 4 * layers
     named = _weight_names(traced, formats)
-    assert len(named) == 4 * layers and set(named.values()) == {"onednn"}
+    assert len(named) == 4 * layers and set(named.values()) == {kernel}
     assert all(name.endswith(("proj.weight")) for name in named)
     assert_same_outputs(llm, traced, traced_graphs[None], named)  # the runtime packs them: same numbers
 
@@ -150,14 +157,11 @@ def test_each_range_is_measured_at_its_own_counts():
 
 
 def small_batches_keep_torch(fn, args):
-    """A stand-in timer: the packed kernel (timed second at each count) wins above SMALL_BATCH only."""
-    small_batches_keep_torch.calls += 1
-    baseline = small_batches_keep_torch.calls % 2 == 1
-    return 2.0 if baseline else (3.0 if args[0].shape[0] <= SMALL_BATCH else 1.0)
+    """A stand-in timer: the packed kernels win above SMALL_BATCH only."""
+    return 2.0 if fn.kernel == "aten" else (3.0 if args[0].shape[0] <= SMALL_BATCH else 1.0)
 
 
 def test_ranges_whose_kernels_differ_get_graphs_of_their_own(traced_graphs):
-    small_batches_keep_torch.calls = 0
     manager = PassManager()
     manager.gemms.timer = small_batches_keep_torch
     graph = traced_graphs[None].graph.graph
