@@ -10,15 +10,16 @@ SMALL_BATCH and DECODE_BATCH tokens for that; ranges whose decisions agree share
 candidate must first give the baseline's numbers (an int8 kernel that saturates on this CPU is never
 chosen); of those faster than the baseline at every count measured, the fastest in total wins. fp8
 weights are always widened and packed once (torch's form widens them on every call); projections
-too small to time apart keep torch's GEMM. A weight two variants read in two formats is packed (or
-kept) in both.
+too small to time apart keep torch's GEMM. A weight is packed in one format at most: a later range
+keeps an earlier range's format where that beats torch's GEMM; a weight that one variant reads as
+loaded and another packed is held both ways.
 """
 
 import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.utils._pytree as pytree
@@ -113,6 +114,7 @@ class GemmChooser:
         self.timer = timer
         self.int8_kind = "w7a8" if quantization == "w7a8" else "int8"
         self._decided: dict[tuple[_Signature, tuple[int, ...]], GemmChoice] = {}
+        self._held: dict[_Signature, str] = {}  # each signature's packed format, once one is chosen
 
     def decisions(self, graph: fx.Graph, size_range: tuple[int, int]) -> tuple[tuple[_Signature, str], ...]:
         """Each projection signature in `graph` and the kernel it gets for `size_range` (measured
@@ -141,12 +143,28 @@ class GemmChooser:
     def choose(self, sig: _Signature, tokens: tuple[int, ...]) -> GemmChoice:
         if (sig, tokens) not in self._decided:
             start = time.perf_counter()
-            self._decided[sig, tokens] = choice = _measure(sig, tokens, self.timer or _streamed_time)
+            choice = self._one_packed_format(sig, _measure(sig, tokens, self.timer or _streamed_time))
+            self._decided[sig, tokens] = choice
             logger.info("GEMM %s %s %s at %s tokens: %s (%s; %.1fs)", sig.kind, list(sig.shape),
                         str(sig.dtype).removeprefix("torch."), list(tokens), choice.kernel,
                         ", ".join(f"{k} {'/'.join(f'{v:.3f}' for v in ms)} ms" for k, ms in choice.ms.items()),
                         time.perf_counter() - start)
         return self._decided[sig, tokens]
+
+
+    def _one_packed_format(self, sig: _Signature, choice: GemmChoice) -> GemmChoice:
+        """A weight is packed in one format: where a later size range measures another packed kernel
+        fastest, it keeps the format an earlier range chose (the decode batches', ranges being decided
+        in order) if that still beats torch's GEMM there. Two formats would hold the weight twice
+        and pack it twice at every start (on the fp32 0.5B shape: 1.4 GB and 4 s instead of 2 s)."""
+        if choice.kernel not in packed_linear.FORMATS:
+            return choice
+        held = self._held.setdefault(sig, choice.kernel)
+        if held == choice.kernel or held not in choice.ms or \
+                not all(t < b for t, b in zip(choice.ms[held], choice.ms["aten"])):
+            return choice
+        why = f"faster here, but the weight is packed as {held} for other token counts (one copy)"
+        return replace(choice, kernel=held, rejected={**choice.rejected, choice.kernel: why})
 
 
 def _sites(graph: fx.Graph, int8_kind: str = "int8") -> dict[_Signature, list[tuple[fx.Node, fx.Node]]]:

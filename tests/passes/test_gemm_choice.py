@@ -170,3 +170,27 @@ def test_ranges_whose_kernels_differ_get_graphs_of_their_own(traced_graphs):
     same.gemms.timer = packed_faster()
     assert same.group([(1, 8), (9, 2048)], graph) == [[(1, 8), (9, 2048)]]
     assert PassManager(PassConfig(gemm_choice=False)).group([(1, 8), (9, 2048)], graph) == [[(1, 8), (9, 2048)]]
+
+
+def test_a_weight_keeps_one_packed_format_across_size_ranges(traced_graphs):
+    """The decode batches' kernel (the panel GEMM here) is kept for prefill chunks, where oneDNN's
+    measures faster but the panel GEMM still beats torch's: one packed copy of each weight."""
+    sig = gemm_choice._Signature("float", (64, 8), torch.float32, False)
+    if gemm_choice._unavailable(sig, "panels16"):
+        pytest.skip("kiln's panel GEMM is not available here")
+
+    def timer(fn, args):
+        rows = args[0].shape[0]
+        return {"aten": 4.0, "onednn": 1.0 if rows > gemm_choice.DECODE_BATCH else 3.0, "panels16": 2.0}[fn.kernel]
+
+    chooser = GemmChooser(timer=timer)
+    graph = fresh(traced_graphs[None]).graph.graph
+    decode, prefill = chooser.decisions(graph, (1, 32)), chooser.decisions(graph, (33, 2048))
+    assert {kernel for _, kernel in decode} == {kernel for _, kernel in prefill} == {"panels16"}
+    choice = chooser.choose(decode[0][0], gemm_choice.measured_tokens((33, 2048)))
+    assert choice.ms["onednn"] < choice.ms["panels16"] and "packed as panels16" in choice.rejected["onednn"]
+    slow = GemmChooser(timer=lambda fn, args: {"aten": 2.5, "onednn": 1.0, "panels16": 0.5}[fn.kernel]
+                       if args[0].shape[0] <= 32 else {"aten": 1.5, "onednn": 1.0, "panels16": 2.0}[fn.kernel])
+    assert {kernel for _, kernel in slow.decisions(graph, (1, 32))} == {"panels16"}
+    # where the panel GEMM loses to torch's, the weight is packed twice rather than run slower than as loaded
+    assert {kernel for _, kernel in slow.decisions(graph, (33, 2048))} == {"onednn"}
