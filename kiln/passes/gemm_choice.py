@@ -151,7 +151,6 @@ class GemmChooser:
                         time.perf_counter() - start)
         return self._decided[sig, tokens]
 
-
     def _one_packed_format(self, sig: _Signature, choice: GemmChoice) -> GemmChoice:
         """A weight is packed in one format: where a later size range measures another packed kernel
         fastest, it keeps the format an earlier range chose (the decode batches', ranges being decided

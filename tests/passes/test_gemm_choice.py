@@ -1,6 +1,7 @@
 """The CPU GEMM choice: each projection signature measured once, retargeted to a packed kernel
-(oneDNN's, fbgemm's, kiln's panel GEMM) where it is faster and gives torch's numbers, its weights recorded for packing at load. A
-stand-in timer decides here (timings are a benchmark's business); the numbers are real."""
+(oneDNN's, fbgemm's, kiln's panel GEMM) where it is faster and gives torch's numbers, its weights
+recorded for packing at load. A stand-in timer decides here (timings are a benchmark's business);
+the numbers are real."""
 
 import pytest
 import torch
