@@ -43,9 +43,17 @@ def python_version() -> str:
     return f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
+CPU_EXTENSIONS = ("avx512_vnni", "amx_tile")
+"""x86 features beyond torch's CPU capability that Inductor compiles a CPU's kernels for where it has
+them (its avx512_vnni and amx ISAs), as kiln's int8 panel GEMM does: an artifact needs them where it loads."""
+
+
 def system_info(device: str = "cpu") -> dict:
     """What the compiled kernels were built for; read without a compiler (torch's own CPU probe)."""
     info = {"device": device, "machine": platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    if device == "cpu" and hasattr(torch.cpu, "get_capabilities"):
+        found = torch.cpu.get_capabilities()
+        info["cpu_extensions"] = [name for name in CPU_EXTENSIONS if found.get(name)]
     if device.startswith("cuda"):
         major, minor = torch.cuda.get_device_capability(torch.device(device))
         info["gpu_arch"] = f"sm_{major}{minor}"

@@ -1,7 +1,7 @@
 """Projections on weights packed once at load time into the layout a CPU kernel wants: oneDNN's
 blocked float GEMM, its int8 GEMM (VNNI or AMX where the CPU has them), fbgemm's int8 GEMM (fast
 on AVX2 CPUs without VNNI, made exact there by splitting the activations, or by 7-bit weight codes),
-and kiln's own fp32 panel GEMM for decode batches (`kiln.kernels.panel_linear`).
+and kiln's own fp32 and int8 panel GEMMs for decode batches (`kiln.kernels.panel_linear`).
 
 The artifact stays independent of the weights: a compiled graph calls these ops on a weight input,
 the manifest records which weights take which format, and the runtime packs them (`pack`) when it
@@ -88,6 +88,8 @@ FORMATS = {f.name: f for f in (
     WeightFormat("onednn_fp8_as_fp32", _onednn_fp8_widened,
                  "fp8 codes widened to fp32 once, oneDNN blocked layout, for kiln::onednn_linear"),
     WeightFormat("panels16", panel_linear.pack, "fp32 in panels of 16 output channels, for kiln::panel_linear"),
+    WeightFormat("panels16_int8", panel_linear.pack_int8,
+                 "int8 in panels of 16 output channels, codes + 128, for kiln::panel_int8_linear"),
 )}
 
 

@@ -304,6 +304,8 @@ def _rewrite_int8(graph: fx.Graph, node: fx.Node, weight: fx.Node, kernel: str) 
             wide = _insert(graph, aten._to_copy.default, (weight,), {"dtype": torch.float32})
             rows = _insert(graph, aten._to_copy.default, (a,), {"dtype": torch.float32})
             out = _insert(graph, aten.mm.default, (rows, _insert(graph, aten.t.default, (wide,))))
+        elif kernel == "panels16_int8":
+            out = _insert(graph, ops.panel_int8_linear.default, (a, weight))
         elif kernel == "onednn_int8":
             # through int32, not int16: Inductor vectorizes int32 casts, int16's run as a scalar loop
             wide = _insert(graph, aten._to_copy.default, (a,), {"dtype": torch.int32})
@@ -330,10 +332,12 @@ def _rewrite_fp8(graph: fx.Graph, node: fx.Node, weight: fx.Node, kernel: str) -
 
 
 _REWRITES = {"float": _rewrite_float, "int8": _rewrite_int8, "w7a8": _rewrite_int8, "fp8": _rewrite_fp8}
-_CANDIDATES = {"float": ("onednn", "panels16"), "int8": ("onednn_int8", "fbgemm_int8", "widened"),
-               "w7a8": ("onednn_int8", "fbgemm_w7a8", "widened"), "fp8": ("onednn_fp8_as_fp32",)}
+_CANDIDATES = {"float": ("onednn", "panels16"),
+               "int8": ("onednn_int8", "fbgemm_int8", "panels16_int8", "widened"),
+               "w7a8": ("onednn_int8", "fbgemm_w7a8", "panels16_int8", "widened"), "fp8": ("onednn_fp8_as_fp32",)}
 """Per kind, the kernels tried against torch's GEMM: packed formats (`packed_linear.FORMATS`; "panels16"
-is kiln's fp32 GEMM for decode batches, timed as built alone, run compiled into the piece; "w7a8"
+and "panels16_int8" are kiln's GEMMs for decode batches, timed as built alone, run compiled into the
+piece; "w7a8"
 weights run fbgemm's int8 GEMM without the split that 8-bit codes need, and oneDNN's exactly on CPUs
 without VNNI, where it beats fbgemm on prefill chunks), and for int8 "widened",
 codes widened to fp32 per call for torch's float GEMM (exact: integer products, and
@@ -367,11 +371,11 @@ def _unavailable(sig: _Signature, candidate: str) -> str | None:
         return "oneDNN's int8 GEMM saturates on this CPU (no VNNI)"
     if candidate.startswith("fbgemm") and not packed_linear.fbgemm_available():
         return "this torch has no fbgemm quantized linear"
-    if candidate == "panels16":
+    if candidate.startswith("panels16"):
         from kiln.compiler import panel_lowering
 
         if not panel_lowering.register():
-            return "this torch's Inductor cannot compile the panel GEMM into a piece"
+            return "this torch's Inductor cannot compile the panel GEMMs into a piece"
         return panel_linear.available(sig.shape, sig.dtype)
     return None
 
@@ -475,6 +479,9 @@ def _runner(sig: _Signature, kernel: str, weights: list[torch.Tensor], scale: to
             return lambda a, s: packed_linear.fbgemm_int8_linear(a, weight())
         if kernel == "fbgemm_w7a8":
             return lambda a, s: packed_linear.fbgemm_w7a8_linear(a, weight())
+        if kernel == "panels16_int8":
+            gemm = panel_linear.timing_kernel(panel_linear.INT8)
+            return lambda a, s: gemm(a, weight())
         if kernel == "widened":
             return lambda a, s: a.float() @ weight().float().t()
         return lambda a, s: ops.onednn_int8_linear(packed_linear.shift_int8(a), weight())

@@ -87,7 +87,8 @@ def test_slower_kernel_is_not_chosen(traced_graphs):
 QUANT_KERNELS = [(scheme, kernel) for scheme in SCHEMES + ["w7a8"]
                  for kernel in gemm_choice._CANDIDATES[scheme.split("-")[0]]]
 OPS = {"onednn_int8": ops.onednn_int8_linear, "fbgemm_int8": ops.fbgemm_rows_linear, "widened": aten.mm,
-       "fbgemm_w7a8": ops.fbgemm_rows_linear, "onednn_fp8_as_fp32": ops.onednn_linear}
+       "fbgemm_w7a8": ops.fbgemm_rows_linear, "panels16_int8": ops.panel_int8_linear,
+       "onednn_fp8_as_fp32": ops.onednn_linear}
 
 
 @pytest.mark.parametrize("scheme,kernel", QUANT_KERNELS)
@@ -95,7 +96,7 @@ def test_quantized_projections_move_to_packed_weights(quantized_llms, traced_gra
     llm, traced = quantized_llms[scheme], fresh(traced_graphs[scheme])
     layers = llm.model_config.num_layers
     kind = scheme.split("-")[0]
-    sig = gemm_choice._Signature(kind, (8, 8), torch.int8, False)
+    sig = gemm_choice._Signature(kind, (64, 8), torch.int8, False)
     if (why := gemm_choice._unavailable(sig, kernel)) is not None:
         pytest.skip(f"{kernel}: {why}: never chosen here")
     chooser = GemmChooser(timer=packed_faster(fastest=kernel), quantization=kind)
