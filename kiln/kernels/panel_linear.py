@@ -10,9 +10,9 @@ came within 0-7% of it at 256). The int8 kernel (`vpdpbusd`, four K per instruct
 for gate_up at 1 token and 0.23 ms at 16, against oneDNN's int8 GEMM's 0.19 and 0.30-0.43 ms; on
 the small projections oneDNN spends some 20 us a call where the kernel takes 8-10.
 
-The kernel is C++ that AOTInductor compiles into the piece that calls it
-(`kiln.compiler.panel_lowering` splices `SOURCE` into the generated wrapper), so it ships in the
-artifact like Inductor's own kernels and loading needs no compiler. At compile time, where a compiler
+Each kernel is C++ that AOTInductor compiles into the piece that calls it
+(`kiln.compiler.panel_lowering` splices its `PanelKernel` sources into the generated wrapper), so it
+ships in the artifact like Inductor's own kernels and loading needs no compiler. At compile time, where a compiler
 is at hand, `timing_kernel` builds the same source alone to time it against the other kernels
 (`kiln.passes.gemm_choice`). Each op's own function is the reference: it unpacks the weight.
 """

@@ -1,7 +1,8 @@
 """Which kernel runs each projection on CPU: torch's GEMM on the weight as loaded (what Inductor calls
 for `mm`/`addmm`, and `kiln::scaled_mm`'s native form), or a kernel on a weight the runtime packs once
-at load (`kiln.kernels.packed_linear`: oneDNN's float and int8 GEMMs, fbgemm's int8 GEMM). Decided by
-measurement per weight shape and kind, and recorded with the format each weight input takes.
+at load (`kiln.kernels.packed_linear`: oneDNN's float and int8 GEMMs, fbgemm's int8 GEMM, kiln's fp32
+and int8 panel GEMMs). Decided by measurement per weight shape and kind, and recorded with the format
+each weight input takes.
 
 Each size range is decided at its own token counts (its bounds, and a decode batch of 16 where the
 range holds it), the way the CUDA kernel choice is: small decode batches read weights and large ones
