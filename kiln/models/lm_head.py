@@ -32,12 +32,21 @@ FBGEMM_PACK_ROWS = 40_000
 of at most this many rows, packed concurrently."""
 
 
-def screen_kernel() -> str | None:
-    """The int8 GEMM a greedy screen runs on this CPU: oneDNN's where it is exact (VNNI or AMX),
-    else fbgemm's on 7-bit weight codes (exact on AVX2 too); None where neither is."""
+def int8_kernel(seven_bit: bool = False) -> str | None:
+    """The int8 GEMM an LM head runs on this CPU: oneDNN's where it is exact (VNNI or AMX), else
+    fbgemm's (on 7-bit weight codes as they are, on 8-bit ones through split rows); None where
+    neither is."""
     if packed_linear.int8_gemm_exact():
         return "onednn_int8"
-    return "fbgemm_w7a8" if packed_linear.fbgemm_available() else None
+    if not packed_linear.fbgemm_available():
+        return None
+    return "fbgemm_w7a8" if seven_bit else "fbgemm_int8"
+
+
+def screen_kernel() -> str | None:
+    """The int8 GEMM a greedy screen runs: its codes are 7-bit where fbgemm runs it (exact on AVX2
+    too, without the split)."""
+    return int8_kernel(seven_bit=True)
 
 
 class PackedHead:
@@ -232,10 +241,7 @@ class Int8Head:
         codes, self.scale = quantize_weight(weight.detach(), torch.int8, weight_max)
         self.kernel = None
         if codes.device.type == "cpu":
-            seven_bit = weight_max is not None and weight_max <= packed_linear.W7A8_MAX
-            fbgemm = "fbgemm_w7a8" if seven_bit else "fbgemm_int8"
-            self.kernel = "onednn_int8" if packed_linear.int8_gemm_exact() else \
-                fbgemm if packed_linear.fbgemm_available() else None
+            self.kernel = int8_kernel(seven_bit=weight_max is not None and weight_max <= packed_linear.W7A8_MAX)
         if self.kernel in _FBGEMM:
             count = -(-codes.shape[0] // FBGEMM_PACK_ROWS)
             blocks = codes.split(-(-codes.shape[0] // count))
