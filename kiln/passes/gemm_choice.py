@@ -11,9 +11,10 @@ SMALL_BATCH and DECODE_BATCH tokens for that; ranges whose decisions agree share
 candidate must first give the baseline's numbers (an int8 kernel that saturates on this CPU is never
 chosen); of those faster than the baseline at every count measured, the fastest in total wins. fp8
 weights are always widened and packed once (torch's form widens them on every call); projections
-too small to time apart keep torch's GEMM. A weight is packed in one format at most: a later range
-keeps an earlier range's format where that beats torch's GEMM; a weight that one variant reads as
-loaded and another packed is held both ways.
+too small to time apart keep torch's GEMM. A later range keeps an earlier range's packed format where
+that still beats torch's GEMM, so a weight is packed once where it can be; where the earlier format
+loses there (kiln's int8 panel GEMM on prefill chunks), the weight is held in both forms, or both
+formats.
 """
 
 import logging
@@ -153,10 +154,10 @@ class GemmChooser:
         return self._decided[sig, tokens]
 
     def _one_packed_format(self, sig: _Signature, choice: GemmChoice) -> GemmChoice:
-        """A weight is packed in one format: where a later size range measures another packed kernel
-        fastest, it keeps the format an earlier range chose (the decode batches', ranges being decided
-        in order) if that still beats torch's GEMM there. Two formats would hold the weight twice
-        and pack it twice at every start (on the fp32 0.5B shape: 1.4 GB and 4 s instead of 2 s)."""
+        """Where a later size range measures another packed kernel fastest, keep the format an earlier
+        range chose (the decode batches', ranges being decided in order) if that still beats torch's
+        GEMM there. Two formats hold the weight twice and pack it twice at every start (on the fp32
+        0.5B shape: 1.4 GB and 4 s instead of 2 s)."""
         if choice.kernel not in packed_linear.FORMATS:
             return choice
         held = self._held.setdefault(sig, choice.kernel)
@@ -338,12 +339,10 @@ _CANDIDATES = {"float": ("onednn", "panels16"),
                "w7a8": ("onednn_int8", "fbgemm_w7a8", "panels16_int8", "widened"), "fp8": ("onednn_fp8_as_fp32",)}
 """Per kind, the kernels tried against torch's GEMM: packed formats (`packed_linear.FORMATS`; "panels16"
 and "panels16_int8" are kiln's GEMMs for decode batches, timed as built alone, run compiled into the
-piece; "w7a8"
-weights run fbgemm's int8 GEMM without the split that 8-bit codes need, and oneDNN's exactly on CPUs
-without VNNI, where it beats fbgemm on prefill chunks), and for int8 "widened",
-codes widened to fp32 per call for torch's float GEMM (exact: integer products, and
-sums as exact as the int32 ones converted): where a CPU's int8 GEMMs are slow, large prefill chunks
-compute faster so."""
+piece; "w7a8" weights run fbgemm's int8 GEMM without the split that 8-bit codes need, and oneDNN's
+exactly on CPUs without VNNI, where it beats fbgemm on prefill chunks), and for int8 "widened", codes
+widened to fp32 per call for torch's float GEMM (exact: integer products, and sums as exact as the
+int32 ones converted): where a CPU's int8 GEMMs are slow, large prefill chunks compute faster so."""
 
 
 def _streamed_time(fn: Callable, args: Sequence) -> float:
