@@ -211,12 +211,14 @@ class PanelKernel:
     shim: str
     isa: str
     """The compile flag the kernel needs among Inductor's for this CPU."""
+    takes_bias: bool
+    """Whether `entry` takes a bias pointer after the weight's."""
 
 
 FLOAT = PanelKernel("panel_linear", SOURCE, "kiln_panel_gemm", WRAPPER_SOURCE, "aoti_torch_cpu_kiln_panel_linear",
-                    "-mavx512f")
+                    "-mavx512f", takes_bias=True)
 INT8 = PanelKernel("panel_int8_linear", INT8_SOURCE, "kiln_panel_int8_gemm", INT8_WRAPPER_SOURCE,
-                   "aoti_torch_cpu_kiln_panel_int8_linear", "-mavx512vnni")
+                   "aoti_torch_cpu_kiln_panel_int8_linear", "-mavx512vnni", takes_bias=False)
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
@@ -329,23 +331,15 @@ def timing_kernel(kernel: PanelKernel = FLOAT) -> Callable[..., torch.Tensor] | 
         return None
     finally:
         shutil.rmtree(build, ignore_errors=True)  # the loaded library stays mapped
-    if kernel is INT8:
-        gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-
-        def run_int8(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-            a = a.contiguous()
-            out = a.new_empty((a.shape[0], weight.shape[0]), dtype=torch.float32)
-            gemm(a.data_ptr(), weight.data_ptr(), out.data_ptr(), a.shape[0], weight.shape[0], a.shape[1])
-            return out
-
-        return run_int8
-    gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    gemm.argtypes = [ctypes.c_void_p] * (4 if kernel.takes_bias else 3) + [ctypes.c_int64] * 3
 
     def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if bias is not None and not kernel.takes_bias:
+            raise ValueError(f"kiln::{kernel.op} takes no bias")
         x = x.contiguous()
-        out = x.new_empty((x.shape[0], weight.shape[0]))
-        gemm(x.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
-             x.shape[0], weight.shape[0], x.shape[1])
+        out = x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+        bias_pointer = [bias.data_ptr() if bias is not None else None] if kernel.takes_bias else []
+        gemm(x.data_ptr(), weight.data_ptr(), *bias_pointer, out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1])
         return out
 
     return run
