@@ -74,6 +74,18 @@ def _folder_bytes(entry: Entry, folder: str) -> tuple[int, int]:
     return len(files), sum(p.stat().st_size for p in files)
 
 
+def _lm_head(head: dict) -> str:
+    """How the LM head runs: its weight's format, the greedy screen's int8 GEMM, the libraries shipped."""
+    text = f"packed as {head['format']}" if head.get("format") else "on the weight as loaded"
+    if head.get("screen"):
+        text += f", greedy screen on {head['screen']}"
+    libraries = artifact.lm_head_libraries({"lm_head": head})
+    if libraries:
+        text += ", libraries " + ", ".join(f"{f} {e['sha256'][:16]} ({format_size(e['bytes'])})"
+                                          for f, e in libraries.items())
+    return text
+
+
 def info(cache_dir: Path, key: str, as_json: bool) -> int:
     entry = find_entry(cache_dir, key)
     if entry.manifest is None:
@@ -100,6 +112,7 @@ def info(cache_dir: Path, key: str, as_json: bool) -> int:
         *([["triton kernels", f"{len({rel.split('/')[0] for rel in m['triton_kernels']['files']})} built by triton "
                               f"{m['triton_kernels']['triton']} (installed into Triton's cache at load)"]]
           if m.get("triton_kernels") else []),
+        *([["LM head", _lm_head(m["lm_head"])]] if m.get("lm_head") else []),
     ], tablefmt="plain"))
     for i, variant in enumerate(m["variants"]):
         label = artifact.variant_label(variant["ranges"], variant["sizes"])

@@ -80,9 +80,19 @@ def _entry(path: Path) -> dict:
 
 
 def _blob_entries(manifest: dict) -> list[dict]:
-    """Each distinct blob (library) the pieces use, once (identical layers and variants share theirs)."""
-    return list({e["sha256"]: e for v in manifest["variants"] for p in v["pieces"].values()
-                 for e in p["sizes"].values()}.values())
+    """Each distinct blob (library) the pieces and the LM head use, once (identical layers and variants
+    share theirs)."""
+    pieces = [e for v in manifest["variants"] for p in v["pieces"].values() for e in p["sizes"].values()]
+    return list({e["sha256"]: e for e in pieces + list(lm_head_libraries(manifest).values())}.values())
+
+
+HEAD_TENSOR_ARGS = (0, 1)
+"""An LM head library's arguments, the rows and the packed weight: both tensors."""
+
+
+def lm_head_libraries(manifest: dict) -> dict[str, dict]:
+    """The LM head's libraries (`kiln.compiler.head_library`): weight format -> blob entry."""
+    return (manifest.get("lm_head") or {}).get("libraries") or {}
 
 
 def variant_label(ranges: list, sizes: list) -> str:
@@ -115,13 +125,16 @@ def save(
     variants: list[dict],
     info: dict,
     debug: dict[str, str] | None = None,
+    head_libraries: dict | None = None,
 ) -> None:
     """Write the artifact into a temporary sibling of `path`, then move it into place in one step.
 
     Each of `variants` has `ranges`, `sizes`, `program` (source), `passes` (report entries),
-    `kernel_choices` (the lowering's measured decisions, CUDA) and `pieces`: piece name -> an object with `compiled` ({size or None: CompiledLibrary}), `tokens`,
-    `returns_tuple` and `tensor_args`. `debug` maps a relative path under debug/ -> text; each
-    library's C++ is added under debug/inductor/.
+    `kernel_choices` (the lowering's measured decisions, CUDA) and `pieces`: piece name -> an object
+    with `compiled` ({size or None: CompiledLibrary}), `tokens`, `returns_tuple` and `tensor_args`.
+    `head_libraries` maps a weight format to the LM head's library of its GEMM (`head_library`),
+    listed under info's "lm_head". `debug` maps a relative path under debug/ -> text; each library's
+    C++ is added under debug/inductor/.
     """
     path = Path(path)
     tmp = atomic.shareable(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
@@ -148,6 +161,9 @@ def save(
                                     "kernel_choices": variant.get("kernel_choices", []),
                                     "gemm_choices": variant.get("gemm_choices", []),
                                     "weight_formats": variant.get("weight_formats", {})})
+        if head_libraries:
+            info = {**info, "lm_head": {**info["lm_head"], "libraries": {
+                format: _save_library(tmp / "blobs", compiled, debug) for format, compiled in head_libraries.items()}}}
         debug_entries = {}
         for rel, text in sorted(debug.items()):
             (tmp / "debug" / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -172,7 +188,8 @@ def save(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    logger.info("saved artifact %s (%d variants, %d blobs)", path, len(variant_entries), len(blob_of))
+    logger.info("saved artifact %s (%d variants, %d blobs)", path, len(variant_entries),
+                len(blob_of) + len(head_libraries or {}))
 
 
 def _manifest_text(manifest: dict) -> str:
@@ -375,9 +392,10 @@ def load(path: Path, model: nn.Module, release_weights: bool = False) -> Compile
             )
         program = path / PROGRAMS / f"{i}.py"
         forwards.append(load_program(program.read_text(), str(program), pieces))
+    head_gemms = {format: library(entry, HEAD_TENSOR_ARGS) for format, entry in lm_head_libraries(manifest).items()}
     # packing last: everything that can fail has loaded, so no weight is released for a failed load
     with ThreadPoolExecutor(1) as pool:  # the LM head packs beside the projections
-        head = pool.submit(pack_lm_head, model, (manifest.get("lm_head") or {}).get("format"))
+        head = pool.submit(pack_lm_head, model, manifest.get("lm_head"), head_gemms)
         packed = pack_weights(inputs, model, [v.get("weight_formats", {}) for v in manifest["variants"]],
                               release=release_weights)
     routes = []

@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from tqdm import tqdm
 
-from kiln.compiler import artifact, usage
+from kiln.compiler import artifact, head_library, usage
 from kiln.compiler.aoti import CompiledLibrary, check_compilable, tensor_args
 from kiln.compiler.counters import counters
 from kiln.compiler.key import cache_key, model_factors
@@ -220,15 +220,23 @@ def _weight_formats(traced: TracedBackbone, variant: VariantBuild) -> dict[str, 
 
 
 def _lm_head_choice(model: CausalLM, compile_config: CompileConfig) -> dict | None:
-    """On CPU, whether the LM head (outside the compiled graph) runs on a packed weight: measured at
-    the batch sizes it sees (one row per sequence sampled in a step)."""
+    """On CPU, whether the LM head (outside the compiled graph) runs on a packed weight, and the int8
+    GEMM its greedy screen runs: measured at the batch sizes it sees (one row per sequence sampled in
+    a step)."""
     weight = model.lm_head_weight()
     if not compile_config.passes.gemm_choice or weight.device.type != "cpu" or not weight.dtype.is_floating_point:
         return None
     tokens = tuple(sorted({1, min(gemm_choice.DECODE_TOKENS, compile_config.max_num_tokens)}))
     choice = gemm_choice.lm_head_choice(weight.detach(), tokens)
     logger.info("LM head %s: %s (%s)", list(weight.shape), choice.kernel, choice.ms)
-    return {"format": None if choice.kernel == "aten" else choice.kernel, "choice": choice.as_dict()}
+    head = {"format": None if choice.kernel == "aten" else choice.kernel, "choice": choice.as_dict(),
+            "screen": None, "screen_choice": None}
+    if weight.dtype == torch.float32 and head["format"] is not None:  # what `PackedHead` screens greedy calls of
+        screen = gemm_choice.lm_head_screen_choice(tuple(weight.shape), tokens)
+        logger.info("LM head's greedy screen: %s (%s)", screen.kernel, screen.ms)
+        head["screen"] = screen.kernel if screen.kernel in head_library.OPS else None
+        head["screen_choice"] = screen.as_dict()
+    return head
 
 
 @dataclass
@@ -388,6 +396,12 @@ def build_artifact(
         start = time.perf_counter()
         lm_head = _lm_head_choice(model, compile_config)
         timings["gemm_choice"] = timings.get("gemm_choice", 0.0) + time.perf_counter() - start
+        formats = [lm_head[k] for k in ("format", "screen") if lm_head is not None and lm_head[k] in head_library.OPS]
+        head_libraries = {}
+        if formats:  # the panel GEMMs chosen for the LM head, built to ship
+            start = time.perf_counter()
+            head_libraries = head_library.build(formats, tuple(model.lm_head_weight().shape), pieces)
+            timings["compile"] += time.perf_counter() - start
         if dump_dir is not None:
             for rel, text in debug.items():
                 (Path(dump_dir) / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -406,6 +420,7 @@ def build_artifact(
                        "weight_formats": _weight_formats(traced, v)}
                       for v in variants],
             debug=debug,
+            head_libraries=head_libraries,
             info={
                 "timings": timings,
                 "counters": dict(counters - before),

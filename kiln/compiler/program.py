@@ -159,15 +159,26 @@ def _refuse_eager_run(model: nn.Module, args) -> None:
                     "compile=False to call the model itself")
 
 
-def pack_lm_head(model: nn.Module, format: str | None) -> PackedHead | None:
-    """The model's LM head packed in the `format` an artifact asks for; None for no format, or when
-    the model has an int8 head of its own."""
-    if format is None or getattr(model, "lm_head_kernel", None) is not None:
+def pack_lm_head(model: nn.Module, choice: dict | None, libraries: dict[str, Callable] | None = None
+                 ) -> PackedHead | None:
+    """The model's LM head as an artifact's manifest chose it (its "lm_head" entry: a packed format,
+    the greedy screen's kernel), on the panel GEMM `libraries` (format -> the loaded library) it
+    ships; None for no format, or when the model has an int8 head of its own."""
+    if choice is None or choice.get("format") is None or getattr(model, "lm_head_kernel", None) is not None:
         return None
+    libraries = libraries or {}
     start = time.perf_counter()
-    head = PackedHead(model.lm_head_weight(), format)
+    head = PackedHead(model.lm_head_weight(), choice["format"], gemm=_head_gemm(libraries.get(choice["format"])),
+                      screen_gemm=_head_gemm(libraries.get(choice.get("screen"))))
     logger.info("packed the LM head in %.2fs", time.perf_counter() - start)
     return head
+
+
+def _head_gemm(library: Callable | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """A loaded head library as `gemm(x, packed weight)` (`kiln.models.lm_head.HeadGemm`)."""
+    if library is None:
+        return None
+    return lambda x, weight: library(x.contiguous(), weight)[0]
 
 
 def program_of(forward: Callable):

@@ -234,13 +234,16 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     return packed.view(n // PANEL, k, PANEL).transpose(1, 2).reshape(n, k)
 
 
-def pack_int8(w: torch.Tensor) -> torch.Tensor:
+def pack_int8(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """[N, K] int8 codes -> the same shape holding, per panel, each group of 4 K of its 16 channels
-    together ([K / 4, 16, 4]), as unsigned codes w + 128 in int8's bytes. N must be a multiple of
-    PANEL and K of 4."""
+    together ([K / 4, 16, 4]), as unsigned codes w + 128 in int8's bytes; written into `out` (a
+    contiguous [N, K] int8 tensor) if given. N must be a multiple of PANEL and K of 4."""
     n, k = w.shape
-    panels = w.reshape(n // PANEL, PANEL, k // 4, 4).transpose(1, 2).contiguous()
-    return (panels.view(torch.uint8) ^ 0x80).view(torch.int8).view(n, k)
+    out = torch.empty((n, k), dtype=torch.int8) if out is None else out
+    panels = out.view(n // PANEL, k // 4, PANEL, 4)
+    panels.copy_(w.reshape(n // PANEL, PANEL, k // 4, 4).transpose(1, 2))
+    panels.view(torch.uint8).bitwise_xor_(0x80)
+    return out
 
 
 def unpack_int8(packed: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """Kernels for the LM head: hidden @ W.T over the vocabulary, the largest single matmul of a small
 model's decode step (Qwen2.5-0.5B's is 545 MB in fp32, more than a third of what a token reads).
 
-`PackedHead` runs it on a oneDNN-packed copy of the weight (what a CPU artifact asks for when the
-compiler measured it faster); where the CPU has an exact int8 GEMM it also picks greedy tokens
-without the fp32 logits (`GreedyScreen`), exactly, from a quarter of the bytes. `Int8Head` is the
+`PackedHead` runs it on a packed copy of the weight, on oneDNN or on kiln's panel GEMM (what a CPU
+artifact asks for when the compiler measured it faster; the panel GEMMs ship in the artifact as
+libraries of their own); where the CPU has an exact int8 GEMM it also picks greedy tokens without the
+fp32 logits (`GreedyScreen`), exactly, from a quarter of the bytes. `Int8Head` is the
 opt-in int8 head (`LLM(lm_head_quantization="int8")`, `--lm-head-quantization int8`): weights per
 output channel, activations per token, a quarter of fp32's bytes; its effect on greedy agreement is
 what `benchmarks/quantization.py` reports. "w7a8" keeps 7-bit weight codes, which fbgemm multiplies
@@ -13,13 +14,14 @@ on CPUs without VNNI without splitting the rows.
 import functools
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from kiln.config import LM_HEAD_QUANTIZATIONS
 from kiln.errors import KilnError
-from kiln.kernels import packed_linear, quantize_weight
+from kiln.kernels import packed_linear, panel_linear, quantize_weight
 from kiln.models.quantization import SCHEMES
 
 logger = logging.getLogger(__name__)
@@ -49,20 +51,32 @@ def screen_kernel() -> str | None:
     return int8_kernel(seven_bit=True)
 
 
+HeadGemm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""gemm(x, packed weight) -> [rows, vocab] fp32: a panel GEMM (`kiln.kernels.panel_linear`) as the
+artifact ships it for the head (`kiln.compiler.head_library`), or as a compile times it."""
+
+
 class PackedHead:
-    """hidden @ weight.T with the weight packed once in `format` (`kiln.kernels.packed_linear`).
+    """hidden @ weight.T with the weight packed once in `format` (`kiln.kernels.packed_linear`): on
+    oneDNN, or for "panels16" on `gemm`, kiln's panel GEMM.
 
     `screen` (default: an fp32 weight on a CPU with an exact int8 GEMM, `screen_kernel`) gives it a
     `GreedyScreen`, built on the first greedy call (0.64 s for Qwen2.5's head, measured once): a start
     does not wait for it, and a process that only samples never holds it. `pending_bytes` is what it
-    will take until then."""
+    will take until then. `screen_gemm` (the int8 panel GEMM) runs the screen where given."""
 
-    def __init__(self, weight: torch.Tensor, format: str = "onednn", screen: bool | None = None):
+    def __init__(self, weight: torch.Tensor, format: str = "onednn", screen: bool | None = None,
+                 gemm: HeadGemm | None = None, screen_gemm: HeadGemm | None = None):
+        if (format == "panels16") != (gemm is not None):
+            raise KilnError(f"an LM head packed as {format!r} runs on {'a' if gemm is None else 'no'} panel GEMM "
+                            "library: pass `gemm` with \"panels16\" only")
         self.weight = packed_linear.pack(format, weight)
+        self.gemm = gemm
         if screen is None:
-            screen = format == "onednn" and weight.dtype == torch.float32 and weight.device.type == "cpu"
-        self.screen_kernel = screen_kernel() if screen else None
+            screen = format in ("onednn", "panels16") and weight.dtype == torch.float32 and weight.device.type == "cpu"
+        self.screen_kernel = ("panels16_int8" if screen_gemm is not None else screen_kernel()) if screen else None
         self.screen: GreedyScreen | None = None
+        self._screen_gemm = screen_gemm
         self._plain = weight if self.screen_kernel else None  # the weight the screen is built from, until it is
 
     @property
@@ -80,6 +94,8 @@ class PackedHead:
         return vocab * (k + 4) + min(vocab, SCREEN_PACK_ROWS) * k
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.gemm is not None:
+            return self.gemm(hidden, self.weight)
         return ops.onednn_linear(hidden, self.weight, None)
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -87,7 +103,7 @@ class PackedHead:
         tell (no screen, or the screen gave up): compute the logits then."""
         if self._plain is not None:
             start = time.perf_counter()
-            self.screen, self._plain = GreedyScreen(self._plain, self.screen_kernel), None
+            self.screen, self._plain = GreedyScreen(self._plain, self.screen_kernel, self._screen_gemm), None
             logger.info("built the LM head's greedy screen (int8 on %s, %d blocks) in %.2fs", self.screen_kernel,
                         len(self.screen.blocks), time.perf_counter() - start)
         return self.screen(hidden) if self.screen is not None else None
@@ -126,18 +142,33 @@ class GreedyScreen:
     of equal ones, as torch's argmax) is the argmax of all. A step's norms are taken in fp64; those of W in fp32, raised
     by 2 gamma, so their own rounding stays inside."""
 
-    def __init__(self, weight: torch.Tensor, kernel: str = "onednn_int8"):
-        self.weight = weight.detach()  # the fp32 rows candidates are computed from (the model keeps them)
-        self.kernel = kernel
+    def __init__(self, weight: torch.Tensor, kernel: str = "onednn_int8", gemm: HeadGemm | None = None):
+        """`kernel`: the int8 GEMM's weight format; "panels16_int8" runs on `gemm`, and its blocks are
+        packed into one weight."""
+        if (kernel == "panels16_int8") != (gemm is not None):
+            raise KilnError(f"a greedy screen on {kernel!r} runs on {'a' if gemm is None else 'no'} panel GEMM "
+                            "library: pass `gemm` with \"panels16_int8\" only")
         vocab, k = weight.shape
+        if gemm is not None and (vocab % panel_linear.PANEL or SCREEN_PACK_ROWS % panel_linear.PANEL):
+            raise KilnError(f"a vocabulary of {vocab} is not whole panels of {panel_linear.PANEL} rows: the screen "
+                            "cannot run on the panel GEMM")
+        self.weight = weight.detach()  # the fp32 rows candidates are computed from (the model keeps them)
+        self.kernel, self.gemm = kernel, gemm
         self.gamma = (k + 1) * UNIT_ROUNDOFF / (1 - (k + 1) * UNIT_ROUNDOFF)
         weight_max = packed_linear.W7A8_MAX if kernel == "fbgemm_w7a8" else None
+        panels = torch.empty(weight.shape, dtype=torch.int8) if gemm is not None else None
         self.blocks, self.scales, norms = [], [], torch.zeros(3)
-        for rows in self.weight.split(SCREEN_PACK_ROWS):
+        for start in range(0, vocab, SCREEN_PACK_ROWS):
+            rows = self.weight[start:start + SCREEN_PACK_ROWS]
             codes, scale = quantize_weight(rows, torch.int8, weight_max)
-            self.blocks.append(packed_linear.pack(kernel, codes))
+            if panels is not None:  # a block of whole panels: the packed rows are the block's
+                panel_linear.pack_int8(codes, out=panels[start:start + len(rows)])
+            else:
+                self.blocks.append(packed_linear.pack(kernel, codes))
             self.scales.append(scale)
             norms = torch.maximum(norms, self._norms(rows, codes, scale))
+        if panels is not None:
+            self.blocks, self.scales = [panels], [torch.cat(self.scales)]
         self.max_row_norm, self.max_quant_row_norm, self.max_error_row_norm = (norms * (1 + 2 * self.gamma)).tolist()
 
     @staticmethod
@@ -153,6 +184,8 @@ class GreedyScreen:
 
     def _logits(self, codes: torch.Tensor) -> torch.Tensor:
         """[rows, K] int8 codes -> [rows, vocab] fp32 t_i (q . c_i)."""
+        if self.gemm is not None:
+            return self.gemm(codes, self.blocks[0]).mul_(self.scales[0])
         if self.kernel == "onednn_int8":
             a = packed_linear.shift_int8(codes)
             outs = [ops.onednn_int8_linear(a, block, scale) for block, scale in zip(self.blocks, self.scales)]

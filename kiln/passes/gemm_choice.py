@@ -179,10 +179,17 @@ def _sites(graph: fx.Graph, int8_kind: str = "int8") -> dict[_Signature, list[tu
 
 
 def lm_head_choice(weight: torch.Tensor, tokens: Sequence[int], timer: Timer | None = None) -> GemmChoice:
-    """The same decision for the LM head's weight, which runs outside the compiled graph (so not on
-    the panel GEMM, which runs compiled into a piece only)."""
+    """The same decision for the LM head's weight, which runs outside the compiled graph: a panel GEMM
+    chosen for it ships as a library of its own (`kiln.compiler.head_library`)."""
     return _measure(_Signature("float", tuple(weight.shape), weight.dtype, False), tuple(tokens),
-                    timer or _streamed_time, candidates=("onednn",))
+                    timer or _streamed_time, candidates=("onednn", "panels16"))
+
+
+def lm_head_screen_choice(shape: tuple[int, int], tokens: Sequence[int], timer: Timer | None = None) -> GemmChoice:
+    """The int8 GEMM of the LM head's greedy screen (`kiln.models.lm_head.GreedyScreen`), on int8
+    codes of the head's [vocab, hidden] shape: oneDNN's or kiln's panel GEMM."""
+    return _measure(_Signature("int8", tuple(shape), torch.int8, False, torch.float32), tuple(tokens),
+                    timer or _streamed_time, candidates=("onednn_int8", "panels16_int8"))
 
 
 def _with_calls(choice: GemmChoice, calls: int) -> GemmChoice:

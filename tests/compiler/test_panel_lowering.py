@@ -7,6 +7,7 @@ import torch
 
 from kiln.compiler import panel_lowering
 from kiln.kernels import panel_linear
+from tests.cache_tools.test_commands import kiln_cache_cmd
 from tests.compiler.test_onednn_lowering import _library
 
 ops = torch.ops.kiln
@@ -96,10 +97,13 @@ def test_int8_projection_runs_the_kernel_inside_the_piece(tmp_path):
 
 
 @pytest.mark.parametrize("scheme", [None, pytest.param("int8", marks=needs_int8)])
-def test_compiled_model_on_the_panel_gemm_decodes_like_eager(scheme, demo_dirs, tmp_path_factory, monkeypatch):
-    """The demo llama with every projection on a panel GEMM (the choice's timings forced): the
-    runtime packs the weights the manifest names, the pieces run the kernel in C++ (the op's Python
-    reference, patched to fail, is never called), and the tokens are eager's."""
+def test_compiled_model_on_the_panel_gemm_decodes_like_eager(scheme, demo_dirs, tmp_path_factory, monkeypatch,
+                                                             capsys):
+    """The demo llama with every projection, its LM head and the head's greedy screen on the panel
+    GEMMs (the choice's timings forced): the runtime packs the weights the manifest names, the pieces
+    and the artifact's head libraries run the kernels in C++ (the ops' Python references, patched to
+    fail, are never called), and the tokens are eager's, with logprobs (the head's logits) and
+    without (the screen's argmax)."""
     from kiln import LLM, SamplingParams
     from kiln.compiler import artifact
     from kiln.passes import gemm_choice
@@ -107,20 +111,42 @@ def test_compiled_model_on_the_panel_gemm_decodes_like_eager(scheme, demo_dirs, 
 
     kernel = "panels16_int8" if scheme else "panels16"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gemm_choice, "_streamed_time", lambda fn, args: 0.5 if fn.kernel == kernel else 2.0)
+        mp.setattr(gemm_choice, "_streamed_time", lambda fn, args: 0.5 if fn.kernel.startswith("panels16") else 2.0)
         mp.setattr(gemm_choice, "MIN_TIMED_ELEMENTS", 0)  # the demo's projections are time-worthy here
         compiled = LLM(demo_dirs["llama"], compile=True, cache_dir=tmp_path_factory.mktemp("panels"),
                        quantization=scheme)
     layers = compiled.model_config.num_layers
-    for variant in artifact.read_manifest(compiled.artifact_path)["variants"]:
+    manifest = artifact.read_manifest(compiled.artifact_path)
+    for variant in manifest["variants"]:
         assert sorted(variant["weight_formats"].values()) == [kernel] * 4 * layers
+    head = manifest["lm_head"]
+    assert (head["format"], head["screen"], sorted(head["libraries"])) == \
+        ("panels16", "panels16_int8", ["panels16", "panels16_int8"])
+    assert artifact.verify(compiled.artifact_path) and all(
+        (compiled.artifact_path / "blobs" / f"{e['sha256']}.so").stat().st_size == e["bytes"]
+        for e in head["libraries"].values())
+    path = compiled.artifact_path
+    status, out = kiln_cache_cmd(capsys, "info", path.name, "--cache-dir", path.parent)
+    assert status == 0 and "LM head    packed as panels16, greedy screen on panels16_int8, libraries panels16 " \
+        f"{head['libraries']['panels16']['sha256'][:16]}" in out
+    dump = tmp_path_factory.mktemp("dump") / "d"
+    assert kiln_cache_cmd(capsys, "dump", path.name, "-o", dump, "--cache-dir", path.parent)[0] == 0
+    for format, entry in head["libraries"].items():  # each library's C++, and who runs it
+        folder = dump / "debug" / "inductor" / entry["sha256"][:16]
+        assert (folder / "USERS").read_text() == f"LM head ({format})\n" and list(folder.glob("*.cpp"))
     fail = lambda w: pytest.fail("the reference op ran, not the kernel")  # noqa: E731
     monkeypatch.setattr(panel_linear, "unpack", fail)
     monkeypatch.setattr(panel_linear, "unpack_int8", fail)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
     got = compiled.generate(PROMPTS, params)
-    ref = LLM(demo_dirs["llama"], quantization=scheme).generate(PROMPTS, params)
+    eager = LLM(demo_dirs["llama"], quantization=scheme)
+    ref = eager.generate(PROMPTS, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    screen = compiled.engine.runner.greedy_tokens.__self__
+    assert screen.screen is None  # no greedy call so far: logprobs take the logits
+    plain = compiled.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert screen.screen is not None and screen.screen.kernel == "panels16_int8"
+    assert [o.token_ids for o in plain] == [o.token_ids for o in ref]
     for a, b in zip(got, ref):
         # int8: an activation code can round the other way after Inductor's RMSNorm (as in
         # test_quantization's test_int8_compiled_equals_int8_eager): a rare logprob moves by up to ~1e-2

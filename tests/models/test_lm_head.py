@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kiln import LLM, KilnError, SamplingParams
-from kiln.kernels import packed_linear
-from kiln.models.lm_head import Int8Head, PackedHead
+from kiln.kernels import packed_linear, panel_linear
+from kiln.models.lm_head import GreedyScreen, Int8Head, PackedHead
 from tests.oracle import PROMPTS
 
 ops = torch.ops.kiln
@@ -60,8 +60,16 @@ def near_tied_head(vocab: int = 1280, hidden: int = 64) -> tuple[torch.Tensor, t
 def screen_kernels() -> list:
     kernels = [pytest.param("onednn_int8", marks=pytest.mark.skipif(
         not packed_linear.int8_gemm_exact(), reason="oneDNN's int8 GEMM is not exact on this CPU (no VNNI)"))]
+    kernels.append(pytest.param("panels16_int8", marks=pytest.mark.skipif(
+        panel_linear.available((64, 64), torch.int8) is not None, reason="no int8 panel GEMM on this CPU")))
     return kernels + [pytest.param("fbgemm_w7a8", marks=pytest.mark.skipif(
         not packed_linear.fbgemm_available(), reason="this torch has no fbgemm"))]
+
+
+def panel_gemm(kernel: str):
+    """The panel GEMM as the artifact's library runs it (here, built alone for timing), or None."""
+    panel = {"panels16": panel_linear.FLOAT, "panels16_int8": panel_linear.INT8}.get(kernel)
+    return panel_linear.timing_kernel(panel) if panel is not None else None
 
 
 @pytest.mark.parametrize("kernel", screen_kernels())
@@ -74,10 +82,15 @@ def test_greedy_screen_picks_the_fp32_argmax(kernel, vocab, pack_rows, monkeypat
     monkeypatch.setattr(lm_head, "screen_kernel", lambda: kernel)
     weight, hidden = near_tied_head(vocab)
     ref = (hidden @ weight.t()).argmax(-1)
-    head = PackedHead(weight, screen=True)
+    if kernel == "panels16_int8" and vocab % 16:
+        with pytest.raises(KilnError, match="a vocabulary of 1000 is not whole panels of 16 rows"):
+            GreedyScreen(weight, kernel, panel_gemm(kernel))
+        return
+    head = PackedHead(weight, screen=True, screen_gemm=panel_gemm(kernel))
     assert head.screen is None and head.pending_bytes == vocab * (64 + 4) + min(vocab, pack_rows) * 64  # on use
     got = head.greedy(hidden)
-    assert head.pending_bytes == 0 and len(head.screen.blocks) == -(-vocab // pack_rows)
+    blocks = 1 if kernel == "panels16_int8" else -(-vocab // pack_rows)  # the panels' blocks are packed as one
+    assert head.pending_bytes == 0 and len(head.screen.blocks) == blocks
     assert head.screen.kernel == kernel
     int8 = head.screen._logits(ops.quant_int8(hidden, None)[0])
     assert (int8.gather(1, ref[:, None]).squeeze(1) < int8.amax(-1)).any()  # int8 alone picks other tokens
@@ -89,13 +102,11 @@ def test_greedy_screen_picks_the_fp32_argmax(kernel, vocab, pack_rows, monkeypat
 def test_greedy_screen_matches_fp32_on_a_wide_random_head(kernel):
     """Random logits, the screen's worst case (no token far ahead), at a width where the int8 bound is
     loosest relative to the true error: still the fp32 argmax, from few candidates."""
-    from kiln.models.lm_head import GreedyScreen
-
     g = torch.Generator().manual_seed(2)
     weight, hidden = torch.randn(8192, 896, generator=g) * 0.02, torch.randn(16, 896, generator=g)
     hidden[3] *= 1e-3  # scale-free: a small hidden state bounds its logits as tightly
     hidden[5, 7] = 40.0  # one outlier channel: a coarse activation scale, a wider bound
-    screen = GreedyScreen(weight, kernel)
+    screen = GreedyScreen(weight, kernel, panel_gemm(kernel))
     vecdot = []
     real = torch.linalg.vecdot
     with pytest.MonkeyPatch.context() as patch:
@@ -103,6 +114,18 @@ def test_greedy_screen_matches_fp32_on_a_wide_random_head(kernel):
         got = screen(hidden)
     assert torch.equal(got, (hidden @ weight.t()).argmax(-1))
     assert vecdot[0] == 16 and vecdot[1] < 16 * 32  # the leaders, then the candidates: under 0.5% of the head
+
+
+@pytest.mark.skipif(panel_linear.available((64, 64), torch.float32) is not None, reason="no panel GEMM on this CPU")
+def test_head_on_the_panel_gemm_gives_the_logits():
+    weight, hidden = near_tied_head()
+    head = PackedHead(weight, "panels16", screen=False, gemm=panel_gemm("panels16"))
+    assert torch.equal(panel_linear.unpack(head.weight), weight)  # packed in panels for the library
+    torch.testing.assert_close(head(hidden), hidden @ weight.t(), rtol=1e-4, atol=1e-4)
+    with pytest.raises(KilnError, match="an LM head packed as 'panels16' runs on a panel GEMM library"):
+        PackedHead(weight, "panels16")
+    with pytest.raises(KilnError, match="a greedy screen on 'onednn_int8' runs on no panel GEMM library"):
+        GreedyScreen(weight, "onednn_int8", panel_gemm("panels16_int8"))
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
