@@ -68,6 +68,7 @@ import torch.utils._pytree as pytree  # noqa: F401
 from torch import device  # noqa: F401
 
 import kiln.kernels  # noqa: F401  (registers torch.ops.kiln)
+from kiln.kernels.attention import attention_call  # noqa: F401
 
 NoneType = type(None)
 
@@ -76,6 +77,11 @@ class Program:
     def __init__(self, compiled: dict):
         self.__dict__.update(compiled)
 '''
+
+
+DIRECT_CALLS = {"torch.ops.kiln.attention.default(": "attention_call("}
+"""Splitting ops the program calls as plain functions (imported by its header), which skip the op
+dispatcher where they can: the call as fx writes it -> the call written instead."""
 
 
 def stitching_source(stitched: fx.GraphModule, pieces: list[Piece], input_names: list[str]) -> str:
@@ -88,6 +94,8 @@ def stitching_source(stitched: fx.GraphModule, pieces: list[Piece], input_names:
     for piece in pieces:
         if piece.is_splitting:
             code = piece.graph.graph.python_code("self").src.strip().replace("def forward(", f"def {piece.name}(", 1)
+            for call, direct in DIRECT_CALLS.items():
+                code = code.replace(call, direct)
             parts.append(textwrap.indent(code, "    "))
     parts.append(textwrap.indent(stitched.graph.python_code("self").src.strip(), "    "))
     return "\n\n".join(parts) + "\n"

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import kiln.kernels  # noqa: F401
+from kiln.kernels.attention import attention_call
 
 ops = torch.ops.kiln
 BLOCK = 4
@@ -88,6 +89,9 @@ def test_paged_attention(batch, window, dtype):
         q, kv, done, starts, torch.tensor(ctx_lens, dtype=torch.int32),
         torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32), d**-0.5, window,
     )
+    meta = (starts, torch.tensor(ctx_lens, dtype=torch.int32),
+            torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32))
+    assert torch.equal(attention_call(q, kv, done, *meta, d**-0.5, window), out)  # what compiled programs call
     tok = 0
     for c, n, k, v in zip(ctx_lens, q_lens, full_k, full_v):
         for i in range(n):
