@@ -126,6 +126,50 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return first * ARGMAX_BLOCK + blocks[torch.arange(rows), first].argmax(-1)
 
 
+DRAW_BLOCK = 128
+DRAW_FLOOR = 80.0
+"""`draw` never draws a token this many nats or more below the row's most likely one (a probability
+under 1.8e-35 each, 3e-30 for all of a 151936-token vocabulary): its weight would be a denormal
+float, on which exp and sums run many times slower (a 16-row step took 15 ms to exponentiate)."""
+
+
+def draw(logits: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
+    """One token per row of `logits` [rows, vocab] (-inf: never drawn; overwritten), with probability
+    softmax(row), by inverse transform sampling: one uniform draw per row from its generator, found
+    first among the sums of blocks of DRAW_BLOCK weights, then inside its block (cumulative sums in
+    fp64). torch.multinomial draws an exponential per token instead: 2.2 ms a row for a 151936-token
+    vocabulary on a 2-core EPYC, against 0.15 ms so. Computed in place: a fresh [16, 151936] tensor
+    costs more in page faults than in arithmetic."""
+    rows, vocab = logits.shape
+    shifted = logits.sub_(logits.amax(-1, keepdim=True))  # NaN throughout a row with a NaN or an inf: refused below
+    floor = torch.tensor(-DRAW_FLOOR, device=logits.device).exp()
+    weights = shifted.clamp_(min=-DRAW_FLOOR).exp_()
+    weights = weights.masked_fill_(weights <= floor, 0.0)
+    if vocab % DRAW_BLOCK:
+        weights = torch.nn.functional.pad(weights, (0, DRAW_BLOCK - vocab % DRAW_BLOCK))
+    blocks = weights.view(rows, -1, DRAW_BLOCK)
+    cumulative = blocks.sum(-1).cumsum(-1, dtype=torch.float64)  # [rows, blocks]
+    total = cumulative[:, -1]
+    if not bool((torch.isfinite(total) & (total > 0)).all()):
+        raise RuntimeError("sampling: the logits hold NaN or inf (the probability tensor contains either inf or nan)")
+    uniform = torch.cat([torch.rand(1, dtype=torch.float64, device=logits.device, generator=g) for g in generators])
+    target = uniform * total
+    block = _first_above(cumulative, target)
+    before = torch.where(block > 0, cumulative.gather(1, (block - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
+    inside = blocks[torch.arange(rows, device=logits.device), block].cumsum(-1, dtype=torch.float64)
+    return (block * DRAW_BLOCK + _first_above(inside, target - before)).tolist()
+
+
+def _first_above(cumulative: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cumulative sum exceeds `target` (so never one of weight 0); where
+    rounding left none above it, the last of weight > 0 (the first that reaches the row's total)."""
+    index = torch.searchsorted(cumulative, target[:, None], right=True).squeeze(1)
+    over = index >= cumulative.shape[1]
+    if bool(over.any()):
+        index = torch.where(over, (cumulative < cumulative[:, -1:]).sum(-1), index)
+    return index
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -142,12 +186,17 @@ def sample(
     """
     adjusted = logits if adjusted is None else adjusted
     tokens = greedy(adjusted).tolist()
-    for row, p in enumerate(params):
-        if p.temperature < GREEDY_BELOW:
-            continue
-        probs = (_filter(adjusted[row] / p.temperature, p.top_k, p.top_p, p.min_p)).softmax(-1)
-        gen = generators[row] or default_generator
-        tokens[row] = int(torch.multinomial(probs, 1, generator=gen))
+    sampled = [row for row, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
+    if sampled:
+        temperatures = torch.tensor([params[r].temperature for r in sampled], device=adjusted.device)
+        scaled = (adjusted if len(sampled) == len(params) else adjusted[sampled]) / temperatures[:, None]
+        for i, row in enumerate(sampled):
+            p = params[row]
+            if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0:
+                scaled[i] = _filter(scaled[i], p.top_k, p.top_p, p.min_p)
+        drawn = draw(scaled, [generators[r] or default_generator for r in sampled])
+        for row, token in zip(sampled, drawn):
+            tokens[row] = token
     chosen: list[float | None] = [None] * len(params)
     top: list[dict[int, float] | None] = [None] * len(params)
     rows = [row for row, p in enumerate(params) if p.logprobs is not None]

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kiln.runtime.sampler import ARGMAX_BLOCK, SamplingParams, greedy, sample
+from kiln.runtime.sampler import ARGMAX_BLOCK, DRAW_BLOCK, DRAW_FLOOR, SamplingParams, draw, greedy, sample
 
 
 def _gen(seed=0):
@@ -39,6 +39,7 @@ def test_temperature_sampling_follows_the_distribution():
     for _ in range(3000):
         counts[sample(logits, [SamplingParams(temperature=1.0)], [None], gen).token_ids[0]] += 1
     torch.testing.assert_close(counts / 3000, logits[0].softmax(-1), atol=0.03, rtol=0)
+    assert torch.equal(logits, torch.tensor([[0.0, 1.0, 2.0]]))  # drawn from a copy: logprobs read the logits
 
 
 def test_per_request_generator_wins_over_default():
@@ -73,3 +74,42 @@ def test_greedy_is_argmax_with_its_ties_and_nans(rows, vocab):
     assert torch.equal(greedy(logits), logits.argmax(-1))
     assert greedy(logits)[0] == 3
     assert torch.equal(greedy(logits[:, ::2]), logits[:, ::2].argmax(-1))  # not contiguous
+
+
+def test_draw_follows_each_rows_distribution_and_never_a_masked_token():
+    logits = torch.tensor([[0.0, 1.0, 2.0, float("-inf")], [float("-inf"), 0.0, 0.0, float("-inf")]])
+    gens = [_gen(1), _gen(2)]
+    counts = torch.zeros(2, 4)
+    for _ in range(4000):
+        for row, token in enumerate(draw(logits.clone(), gens)):
+            counts[row, token] += 1
+    torch.testing.assert_close(counts / 4000, logits.softmax(-1), atol=0.03, rtol=0)
+    assert counts[:, 3].sum() == 0 and counts[1, 0] == 0
+
+
+def test_draw_at_the_top_of_the_range_takes_the_last_token_that_can_be_drawn(monkeypatch):
+    """A uniform draw that rounds up to the rows' total weight finds no token above it: the last token
+    of weight > 0 is taken, never a masked one past it."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, float("-inf"), float("-inf")]])
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.ones(1, dtype=torch.float64))
+    assert draw(logits, [_gen()]) == [2]
+
+
+def test_draw_refuses_nan_logits():
+    with pytest.raises(RuntimeError, match="NaN or inf"):
+        draw(torch.tensor([[0.0, float("nan")]]), [_gen()])
+
+
+@pytest.mark.parametrize("vocab", [DRAW_BLOCK * 3, DRAW_BLOCK * 3 + 5])
+def test_draw_across_blocks_matches_the_distribution(vocab):
+    """Weights spread over several blocks (and a vocabulary that is not whole blocks): each token's
+    frequency is its probability; tokens DRAW_FLOOR nats below the top are never drawn."""
+    logits = torch.full((1, vocab), float("-inf"))
+    picks = [0, DRAW_BLOCK - 1, DRAW_BLOCK + 3, vocab - 1]
+    logits[0, picks] = torch.tensor([0.5, 0.0, 1.0, 0.2])
+    logits[0, 7] = -DRAW_FLOOR - 1.0
+    gen, counts = _gen(3), torch.zeros(vocab)
+    for _ in range(6000):
+        counts[draw(logits.clone(), [gen])[0]] += 1
+    torch.testing.assert_close(counts[picks] / 6000, logits[0, picks].softmax(-1), atol=0.03, rtol=0)
+    assert counts.sum() == counts[picks].sum()
