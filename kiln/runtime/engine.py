@@ -101,7 +101,7 @@ class Engine:
         self.runner = ModelRunner(forward or model, logits, kv_caches, config.block_size, device,
                                   getattr(forward, "greedy_tokens", None))
         self.scheduler = Scheduler(config, num_blocks)
-        self.default_generator = torch.Generator(device).manual_seed(seed)  # multinomial wants the logits' device
+        self.default_generator = torch.Generator(device).manual_seed(seed)  # a draw wants the logits' device
         self.eos_token_ids = set(tokenizer.eos_token_ids if tokenizer else cfg.eos_token_ids)
         self.grammars = GrammarBackend(tokenizer.path, cfg.vocab_size, sorted(self.eos_token_ids)) if tokenizer else None
         self._masks: ThreadPoolExecutor | None = None
