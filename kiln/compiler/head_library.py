@@ -6,7 +6,6 @@ The runtime calls a library as `library(x, packed_weight)` -> [rows, vocab] fp32
 """
 
 import logging
-from collections.abc import Callable
 
 import torch
 from torch import fx
@@ -16,12 +15,13 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 from kiln.compiler.aoti import CompiledLibrary
 from kiln.compiler.piece_cache import PieceCache, piece_cache_key
 from kiln.compiler.workers import CompileJob, compile_jobs
+from kiln.kernels import panel_linear  # noqa: F401  (registers the ops)
 
 logger = logging.getLogger(__name__)
 
-OPS: dict[str, tuple[Callable, torch.dtype]] = {
-    "panels16": (lambda: torch.ops.kiln.panel_linear.default, torch.float32),
-    "panels16_int8": (lambda: torch.ops.kiln.panel_int8_linear.default, torch.int8),
+OPS: dict[str, tuple[torch._ops.OpOverload, torch.dtype]] = {
+    "panels16": (torch.ops.kiln.panel_linear.default, torch.float32),
+    "panels16_int8": (torch.ops.kiln.panel_int8_linear.default, torch.int8),
 }
 """Weight format -> (the op a library of it calls, the dtype of its input rows)."""
 
@@ -39,12 +39,12 @@ def _gemm(op) -> fx.GraphModule:
 def job(format: str, shape: tuple[int, int]) -> CompileJob:
     """The compile of `format`'s op on a weight of `shape` ([vocab, hidden], packed in place), for
     any number of rows."""
-    make_op, dtype = OPS[format]
+    op, dtype = OPS[format]
     mode = FakeTensorMode(shape_env=ShapeEnv())
     rows = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC], constraint_sizes=[None] * 2)
     x = mode.from_tensor(torch.empty(EXAMPLE_ROWS, shape[1], dtype=dtype), symbolic_context=rows)
     weight = mode.from_tensor(torch.empty(shape, dtype=dtype))
-    return CompileJob(_gemm(make_op()), [x, weight], mode)
+    return CompileJob(_gemm(op), [x, weight], mode)
 
 
 def build(formats: list[str], shape: tuple[int, int], cache: PieceCache | None = None) -> dict[str, CompiledLibrary]:
