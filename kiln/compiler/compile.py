@@ -34,6 +34,7 @@ from kiln.compiler.split import Piece, split_graph, stitching_source
 from kiln.compiler.trace import TracedBackbone, trace_backbone
 from kiln.compiler.workers import CompileJob, compile_jobs, probe_cpu_in_background
 from kiln.config import CompileConfig, dtype_name
+from kiln.kernels import panel_linear
 from kiln.models.llama import CausalLM
 from kiln.passes import GraphPass, PassManager, gemm_choice
 from kiln.passes.base import SizeRange
@@ -222,7 +223,8 @@ def _weight_formats(traced: TracedBackbone, variant: VariantBuild) -> dict[str, 
 def _lm_head_choice(model: CausalLM, compile_config: CompileConfig) -> dict | None:
     """On CPU, whether the LM head (outside the compiled graph) runs on a packed weight, and the int8
     GEMM its greedy screen runs: measured at the batch sizes it sees (one row per sequence sampled in
-    a step)."""
+    a step). The screen is timed only where kiln's int8 panel GEMM can run it; elsewhere it runs on
+    the int8 GEMM the runtime picks (`lm_head.screen_kernel`)."""
     weight = model.lm_head_weight()
     if not compile_config.passes.gemm_choice or weight.device.type != "cpu" or not weight.dtype.is_floating_point:
         return None
@@ -231,7 +233,8 @@ def _lm_head_choice(model: CausalLM, compile_config: CompileConfig) -> dict | No
     logger.info("LM head %s: %s (%s)", list(weight.shape), choice.kernel, choice.ms)
     head = {"format": None if choice.kernel == "aten" else choice.kernel, "choice": choice.as_dict(),
             "screen": None, "screen_choice": None}
-    if weight.dtype == torch.float32 and head["format"] is not None:  # what `PackedHead` screens greedy calls of
+    screens = weight.dtype == torch.float32 and head["format"] is not None  # what `PackedHead` screens
+    if screens and panel_linear.available(tuple(weight.shape), torch.int8) is None:  # else nothing to choose
         screen = gemm_choice.lm_head_screen_choice(tuple(weight.shape), tokens)
         logger.info("LM head's greedy screen: %s (%s)", screen.kernel, screen.ms)
         head["screen"] = screen.kernel if screen.kernel in head_library.OPS else None
