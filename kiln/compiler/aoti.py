@@ -8,6 +8,7 @@ proxy executor that reads the op calls from a JSON file beside the library, name
 """
 
 import json
+import struct
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -97,7 +98,50 @@ def compile_library(graph: fx.GraphModule, examples: list, fake_mode) -> Compile
         table = calls.read_bytes() if calls.is_file() else None
         if table is not None and PROXY_EXECUTOR_CASTS_DTYPES:
             table = c10_dtype_numbers(table)
-        return CompiledLibrary(library.read_bytes(), table, sources)
+        binary = library.read_bytes()
+        check_shared_cxx_runtime(binary)
+        return CompiledLibrary(binary, table, sources)
+
+
+CXX_RUNTIMES = ("libstdc++.so", "libc++.so")
+
+
+def check_shared_cxx_runtime(binary: bytes) -> None:
+    """Refuse a library that carries its own copy of the C++ runtime: torch's runner, in a process
+    whose libstdc++ is the shared one, crashes loading it (its `std::regex` meets two `std::locale`s;
+    seen on a machine whose `$CXX` was a g++ built with a static libstdc++ only)."""
+    needed = needed_libraries(binary)
+    if needed is not None and not any(name.startswith(CXX_RUNTIMES) for name in needed):
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        raise KilnError(f"the C++ compiler {get_cpp_compiler()} linked the C++ runtime into an AOTInductor library "
+                        f"statically (it needs only {', '.join(needed)}): torch crashes loading such a library. "
+                        "Set CXX to a compiler that links libstdc++ as a shared library (the system's g++, "
+                        "e.g. CXX=/usr/bin/g++) and compile again")
+
+
+def needed_libraries(binary: bytes) -> list[str] | None:
+    """The shared libraries a 64-bit little-endian ELF file names as NEEDED, read from its dynamic
+    section (no binutils needed); None for any other kind of file."""
+    if binary[:6] != b"\x7fELF\x02\x01":
+        return None
+    section_offset, = struct.unpack_from("<Q", binary, 0x28)
+    entry_size, count = struct.unpack_from("<HH", binary, 0x3A)
+    # Elf64_Shdr: name, type, flags, addr, offset, size, link, info, addralign, entsize
+    sections = [struct.unpack_from("<IIQQQQIIQQ", binary, section_offset + i * entry_size) for i in range(count)]
+    dynamic = next((s for s in sections if s[1] == 6), None)  # SHT_DYNAMIC
+    if dynamic is None:
+        return []
+    strings = sections[dynamic[6]][4]
+    needed = []
+    for offset in range(dynamic[4], dynamic[4] + dynamic[5], 16):
+        tag, value = struct.unpack_from("<qQ", binary, offset)
+        if tag == 0:  # DT_NULL
+            break
+        if tag == 1:  # DT_NEEDED
+            start = strings + value
+            needed.append(binary[start:binary.index(b"\0", start)].decode())
+    return needed
 
 
 PROXY_EXECUTOR_CASTS_DTYPES = torch.torch_version.TorchVersion(torch.__version__) < (2, 12)

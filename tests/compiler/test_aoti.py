@@ -59,3 +59,36 @@ def test_cuda_libraries_run_without_the_containers_event_bookkeeping(monkeypatch
     library = LoadedLibrary(tmp_path / "piece.so", (1,), device="cuda:0")
     assert built == [(str(tmp_path / "piece.so"), 1, "cuda:0", "", True)]
     assert library(3, "x") == ["x"]
+
+
+def test_a_library_with_the_cxx_runtime_linked_in_is_refused(monkeypatch, tmp_path):
+    """A compiler that links libstdc++ statically (seen as `$CXX` on a GPU machine) makes libraries
+    torch's runner crashes on: the compile refuses them, naming the compiler and the fix."""
+    import shutil
+
+    from torch._inductor import config
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from kiln.compiler.aoti import compile_library, needed_libraries
+
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ to build with")
+    compiler = tmp_path / "static-g++"
+    compiler.write_text(f'#!/bin/sh\ncase "$*" in *-shared*) set -- "$@" -static-libstdc++;; esac\n'
+                        f'exec {shutil.which("g++")} "$@"\n')
+    compiler.chmod(0o755)
+
+    def piece(x, w):
+        return (torch.relu(x @ w) + 1,)
+
+    graph = make_fx(piece)(torch.randn(4, 8), torch.randn(8, 8))
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    with fake_mode:
+        examples = [torch.empty(4, 8), torch.empty(8, 8)]
+    built = compile_library(graph, examples, fake_mode)
+    assert any(name.startswith("libstdc++.so") for name in needed_libraries(built.library))
+    monkeypatch.setattr(config.cpp, "cxx", (str(compiler),))
+    with pytest.raises(KilnError, match=r"static-g\+\+ linked the C\+\+ runtime .* statically.*CXX=/usr/bin/g\+\+"):
+        compile_library(make_fx(piece)(torch.randn(4, 8), torch.randn(8, 8)), examples, fake_mode)
