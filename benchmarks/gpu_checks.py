@@ -22,6 +22,8 @@ is rewritten after every step, so a run cut short keeps what it measured):
 - unfused: the llama compiled with the RoPE + KV-write fusion off (its KV write inside the graphs) vs eager;
 - sampling: seeded temperature sampling through compiled + graphs twice gives the same tokens.
 
+Run it with `CXX` naming a compiler that links libstdc++ as a shared library (the system's g++): one
+that links it statically makes libraries torch crashes loading, which `kiln compile` refuses.
 `--work DIR` keeps the demo models and artifacts between runs (steps after agreement reuse its
 llama and artifact cache). On a CPU (`--device cpu`) the same steps run without graphs or Triton:
 a smoke test of the script.
@@ -138,13 +140,14 @@ SERVE_START = """
 import json, sys, time
 import torch._dynamo.utils
 from kiln import LLM, SamplingParams
+from kiln.compiler import triton_cache
 from kiln.compiler.counters import counters
 start = time.perf_counter()
 llm = LLM(sys.argv[1], dtype=sys.argv[2], device=sys.argv[3], compile=True, cache_dir=sys.argv[4],
           require_artifact=True)
 ready = time.perf_counter() - start
 llm.generate(json.loads(sys.argv[5]), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-print(json.dumps({"start_s": round(ready, 2), "kiln": dict(counters),
+print(json.dumps({"start_s": round(ready, 2), "kiln": dict(counters), "compiled": triton_cache.compiled_kernels,
                   "dynamo_frames": sum(torch._dynamo.utils.counters["frames"].values()),
                   "inductor_imported": "torch._inductor.compile_fx" in sys.modules}))
 """
@@ -164,17 +167,32 @@ def serve_start(work: Path, device: str, dtype: str) -> dict:
                                str(work / "cache"), json.dumps(prompts)], capture_output=True, text=True, env=env,
                               cwd=ROOT)
         libraries = sorted(f.name for f in Path(triton_cache).rglob("*.so"))
-    if proc.returncode != 0:
-        print("serve start failed:", proc.stderr[-3000:], flush=True)
-        return {"returncode": proc.returncode}
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    shipped = [artifact.read_manifest(p).get("triton_kernels", {}).get("files", {})
-               for p in (work / "cache").iterdir() if (p / artifact.MANIFEST).is_file()]
-    result["artifact_triton_files"] = sorted(len(f) for f in shipped)
+        if proc.returncode != 0:
+            print("serve start failed:", proc.stderr[-3000:], flush=True)
+            return {"returncode": proc.returncode}
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        artifacts = [p for p in (work / "cache").iterdir() if (p / artifact.MANIFEST).is_file()]
+        shipped = [artifact.read_manifest(p).get("triton_kernels", {}).get("files", {}) for p in artifacts]
+        result["artifact_triton_files"] = sorted(len(f) for f in shipped)
+        result["shipped_entries"] = sorted(f for files in shipped for f in files if f.endswith(".json"))
+        for kernel in result["compiled"]:  # why a shipped kernel did not match: its metadata beside this build's
+            kernel["metadata_differs"] = _metadata_differences(Path(triton_cache) / kernel["entry"], kernel["name"],
+                                                               [p / artifact.TRITON_KERNELS for p in artifacts])
     result["triton_kernels_compiled"] = result["kiln"].get("triton_kernels_compiled", 0)
     result["triton_libraries_built"] = libraries
     print("serve start", result, flush=True)
     return result
+
+
+def _metadata_differences(built: Path, name: str, shipped_dirs: list[Path]) -> dict:
+    """Each metadata field in which the kernel `name` built at serve differs from a shipped one."""
+    mine = json.loads((built / f"{name}.json").read_text()) if (built / f"{name}.json").is_file() else {}
+    for directory in shipped_dirs:
+        for other in directory.glob(f"*/{name}.json"):
+            theirs = json.loads(other.read_text())
+            return {k: [mine.get(k), theirs.get(k)] for k in sorted(set(mine) | set(theirs))
+                    if mine.get(k) != theirs.get(k)}
+    return {"shipped": None}
 
 
 def quantized(work: Path, device: str, dtype: str) -> dict:

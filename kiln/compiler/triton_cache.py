@@ -121,6 +121,9 @@ def install(src: Path, dest: Path | None = None) -> int:
 
 
 _watching = False
+compiled_kernels: list[dict] = []
+"""What `watch` saw Triton compile: each kernel's name, cache entry and specialization (to tell why a
+shipped kernel did not match)."""
 
 
 def watch() -> None:
@@ -139,6 +142,9 @@ def watch() -> None:
             previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
         if not cache_hit:
             counters["triton_kernels_compiled"] += 1
+            entry = Path(next(iter(dict(metadata_group).values()))).parent.name
+            compiled_kernels.append({"name": src.name, "entry": entry, "attrs": repr(getattr(src, "attrs", None)),
+                                     "constants": repr(getattr(src, "constants", None))})
             logger.info("Triton compiled kernel %s (it was not in the artifact, or was built by another Triton "
                         "or GPU)", src.name)
 

@@ -110,6 +110,9 @@ def test_watch_counts_compiles_not_cache_hits(packed, tmp_path, monkeypatch):
     before = counters["triton_kernels_compiled"]
     _build_rope_kernel()  # an empty cache: compiled
     assert counters["triton_kernels_compiled"] == before + 1
+    seen = triton_cache.compiled_kernels[-1]  # named with its entry and specialization, to tell a mismatch
+    assert seen["name"] == "_rope_kv_kernel" and (tmp_path / "watched" / seen["entry"]).is_dir()
+    assert "16" in seen["attrs"]  # the pointers' divisibility Triton specialized on
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "installed"))
     triton_cache.install(packed_dir)
     _build_rope_kernel()  # found
