@@ -19,6 +19,7 @@ from torch import nn
 from kiln.compiler.cudagraph import GraphedPiece, default_capture_sizes, pad_tokens, padded_size
 from kiln.errors import KilnError
 from kiln.kernels import AttentionMetadata, packed_linear
+from kiln.kernels.attention import one_batch
 from kiln.models.lm_head import PackedHead
 
 logger = logging.getLogger(__name__)
@@ -267,7 +268,8 @@ class CompiledProgram:
         if size is not None and size != n:
             input_ids, positions = pad_tokens(input_ids, size, 0), pad_tokens(positions, size, 0)
             attn_metadata = _padded_metadata(attn_metadata, size - n)
-        out = self.graph(*self._arguments(input_ids, positions, kv_caches, attn_metadata))
+        with one_batch():  # every layer's attention is of this batch: its plan is found by identity
+            out = self.graph(*self._arguments(input_ids, positions, kv_caches, attn_metadata))
         out = out[0] if isinstance(out, (tuple, list)) else out
         return out[:n]
 

@@ -1,3 +1,4 @@
+import importlib
 import math
 
 import pytest
@@ -116,3 +117,29 @@ def test_batch_plan_follows_metadata_changed_in_place():
         out = ops.attention(q, kv, kv.new_empty(0), starts, seq_lens, tables, 8**-0.5, 0)
         ref = _reference(q[0], keys[:ctx], values[:ctx], ctx - 1, 8**-0.5, 0)
         torch.testing.assert_close(out[0], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_one_batch_finds_the_plan_by_identity_and_new_metadata_still_plans(monkeypatch):
+    """Within `one_batch` (a compiled forward) the layers' calls reuse the first call's plan without
+    comparing values; outside it the values are compared, and other values get a plan of their own."""
+    attention = importlib.import_module("kiln.kernels.attention")  # the module, not the op of its name
+    made, compared = [], []
+    make, equal = attention._make_plan, torch.equal
+    monkeypatch.setattr(attention, "_make_plan", lambda *a: made.append(1) or make(*a))
+    monkeypatch.setattr(torch, "equal", lambda *a: compared.append(1) or equal(*a))
+    monkeypatch.setattr(attention, "_last_plan", [None])
+    kv, q = torch.randn(2, 4, BLOCK, 1, 8), torch.randn(1, 2, 8)
+
+    def meta(ctx):
+        return (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([ctx], dtype=torch.int32),
+                torch.tensor([[2, 0, 3]], dtype=torch.int32))
+
+    first = meta(9)
+    with attention.one_batch():
+        outs = [attention.attention_call(q, kv, kv.new_empty(0), *first, 8**-0.5, 0) for _ in range(3)]
+    assert (len(made), len(compared)) == (1, 0)
+    outs.append(attention.attention_call(q, kv, kv.new_empty(0), *first, 8**-0.5, 0))
+    assert (len(made), len(compared)) == (1, 3)
+    with attention.one_batch():
+        other = attention.attention_call(q, kv, kv.new_empty(0), *meta(5), 8**-0.5, 0)
+    assert len(made) == 2 and all(equal(o, outs[0]) for o in outs) and not torch.allclose(other, outs[0])
