@@ -137,7 +137,7 @@ def kernel_cases(device: str) -> dict:
 
 
 SERVE_START = """
-import json, sys, time
+import json, os, sys, time
 import torch._dynamo.utils
 from kiln import LLM, SamplingParams
 from kiln.compiler import triton_cache
@@ -148,6 +148,7 @@ llm = LLM(sys.argv[1], dtype=sys.argv[2], device=sys.argv[3], compile=True, cach
 ready = time.perf_counter() - start
 llm.generate(json.loads(sys.argv[5]), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
 print(json.dumps({"start_s": round(ready, 2), "kiln": dict(counters), "compiled": triton_cache.compiled_kernels,
+                  "triton_env": {k: v for k, v in os.environ.items() if k.startswith("TRITON_")},
                   "dynamo_frames": sum(torch._dynamo.utils.counters["frames"].values()),
                   "inductor_imported": "torch._inductor.compile_fx" in sys.modules}))
 """
@@ -175,6 +176,7 @@ def serve_start(work: Path, device: str, dtype: str) -> dict:
         shipped = [artifact.read_manifest(p).get("triton_kernels", {}).get("files", {}) for p in artifacts]
         result["artifact_triton_files"] = sorted(len(f) for f in shipped)
         result["shipped_entries"] = sorted(f for files in shipped for f in files if f.endswith(".json"))
+        result["shipped_env"] = [artifact.read_manifest(p).get("triton_kernels", {}).get("env") for p in artifacts]
         for kernel in result["compiled"]:  # why a shipped kernel did not match: its metadata beside this build's
             kernel["metadata_differs"] = _metadata_differences(Path(triton_cache) / kernel["entry"], kernel["name"],
                                                                [p / artifact.TRITON_KERNELS for p in artifacts])

@@ -198,7 +198,8 @@ def _manifest_text(manifest: dict) -> str:
 
 def add_triton_kernels(path: Path, packed: Path, triton_version: str, seconds: float) -> int:
     """Add the Triton kernels packed under `packed` (`triton_cache.pack`) to the artifact at `path`
-    and pin them in its manifest; returns how many files. The files are copied first and the manifest
+    and pin them in its manifest, with the TRITON_* variables they were built under (some enter
+    Triton's cache key: Inductor sets TRITON_PTXAS_PATH in a compiling process); returns how many files. The files are copied first and the manifest
     is replaced in one step after: until then the artifact is whole, only without them."""
     path = Path(path)
     manifest = read_manifest(path)
@@ -207,7 +208,8 @@ def add_triton_kernels(path: Path, packed: Path, triton_version: str, seconds: f
         shutil.rmtree(target)
     shutil.copytree(packed, target)
     files = {p.relative_to(target).as_posix(): _entry(p) for p in sorted(target.rglob("*")) if p.is_file()}
-    manifest["triton_kernels"] = {"triton": triton_version, "files": files}
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("TRITON_") and k != "TRITON_CACHE_DIR"}
+    manifest["triton_kernels"] = {"triton": triton_version, "files": files, "env": env}
     manifest.setdefault("timings", {})["triton_kernels"] = seconds
     atomic.write_bytes(path / MANIFEST, _manifest_text(manifest).encode())
     return len(files)

@@ -3,6 +3,7 @@ manifest, installed into a fresh Triton cache where the next build of the same k
 The kernels are built for an H100 with Triton's own ptxas, so this runs with no GPU."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -149,7 +150,9 @@ def test_ship_triton_kernels_runs_the_artifact_and_pins_what_it_built(demo_dirs,
     llm = LLM(demo_dirs["llama"], compile=True, cache_dir=tmp_path, require_artifact=True)
     assert ship_triton_kernels(path, llm.model) == 0
     manifest = artifact.verify(path)
-    assert manifest["triton_kernels"] == {"triton": triton.__version__, "files": {}}
+    assert manifest["triton_kernels"] == {"triton": triton.__version__, "files": {},
+                                          "env": {k: v for k, v in os.environ.items()
+                                                  if k.startswith("TRITON_") and k != "TRITON_CACHE_DIR"}}
     assert manifest["timings"]["triton_kernels"] > 0
 
 
