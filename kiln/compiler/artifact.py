@@ -199,8 +199,9 @@ def _manifest_text(manifest: dict) -> str:
 def add_triton_kernels(path: Path, packed: Path, triton_version: str, seconds: float) -> int:
     """Add the Triton kernels packed under `packed` (`triton_cache.pack`) to the artifact at `path`
     and pin them in its manifest, with the TRITON_* variables they were built under (some enter
-    Triton's cache key: Inductor sets TRITON_PTXAS_PATH in a compiling process); returns how many files. The files are copied first and the manifest
-    is replaced in one step after: until then the artifact is whole, only without them."""
+    Triton's cache key: Inductor sets TRITON_PTXAS_PATH in a compiling process); returns how many
+    files. The files are copied first and the manifest is replaced in one step after: until then the
+    artifact is whole, only without them."""
     path = Path(path)
     manifest = read_manifest(path)
     target = path / TRITON_KERNELS

@@ -60,20 +60,23 @@ class _Plan:
     prefills: list[_Prefills]
 
 
-_last_plan: list = [None]  # (the metadata tensors, copies of them, (block size, window, dtype), plan): one batch's worth
-_one_batch = [False]
+_last_plan: list = [None]
+"""One batch's worth: (the metadata tensors, copies of them, (block size, window, dtype), plan, the
+`one_batch` it was made in, or 0)."""
+_batch = [0, 0]  # [the `one_batch` now open (0: none), the last one opened]
 
 
 @contextlib.contextmanager
 def one_batch():
     """Within it every attention call is of one batch, as in one forward of a compiled program:
     the layers' calls find the first one's plan by their metadata tensors' identity (1 us a layer),
-    not by comparing values (10 us; what calls outside it do)."""
-    _one_batch[0] = True
+    not by comparing values (10 us; what calls outside it, or in the next batch, do)."""
+    _batch[1] += 1
+    _batch[0] = _batch[1]
     try:
         yield
     finally:
-        _one_batch[0] = False
+        _batch[0] = 0
 
 
 def _plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
@@ -82,12 +85,14 @@ def _plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: t
     the same metadata."""
     meta = (query_start_loc, seq_lens, block_tables)
     cached = _last_plan[0]
-    if cached is not None and cached[2] == (block_size, window, dtype) and (
-            _one_batch[0] and all(a is b for a, b in zip(cached[0], meta))
-            or all(a.shape == b.shape and a.device == b.device and torch.equal(a, b) for a, b in zip(cached[1], meta))):
-        return cached[3]
+    if cached is not None and cached[2] == (block_size, window, dtype):
+        if _batch[0] and cached[4] == _batch[0] and all(a is b for a, b in zip(cached[0], meta)):
+            return cached[3]
+        if all(a.shape == b.shape and a.device == b.device and torch.equal(a, b) for a, b in zip(cached[1], meta)):
+            _last_plan[0] = (meta, cached[1], cached[2], cached[3], _batch[0])  # this batch's next layers: by identity
+            return cached[3]
     plan = _make_plan(query_start_loc, seq_lens, block_tables, block_size, window, dtype)
-    _last_plan[0] = (meta, tuple(t.clone() for t in meta), (block_size, window, dtype), plan)
+    _last_plan[0] = (meta, tuple(t.clone() for t in meta), (block_size, window, dtype), plan, _batch[0])
     return plan
 
 

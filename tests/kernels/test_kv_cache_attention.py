@@ -143,3 +143,8 @@ def test_one_batch_finds_the_plan_by_identity_and_new_metadata_still_plans(monke
     with attention.one_batch():
         other = attention.attention_call(q, kv, kv.new_empty(0), *meta(5), 8**-0.5, 0)
     assert len(made) == 2 and all(equal(o, outs[0]) for o in outs) and not torch.allclose(other, outs[0])
+    first[1].fill_(5)  # the same tensors, written in place before the next batch: planned again, not stale
+    with attention.one_batch():
+        again = attention.attention_call(q, kv, kv.new_empty(0), *first, 8**-0.5, 0)
+        attention.attention_call(q, kv, kv.new_empty(0), *first, 8**-0.5, 0)
+    assert equal(again, other) and len(made) == 2  # equal by value to the last plan's metadata: found, once
