@@ -60,9 +60,18 @@ class _Plan:
     prefills: list[_Prefills]
 
 
-_last_plan: list = [None]
-"""One batch's worth: (the metadata tensors, copies of them, (block size, window, dtype), plan, the
-`one_batch` it was made in, or 0)."""
+@dataclass
+class _CachedPlan:
+    """The last batch's plan and what it was made from."""
+
+    meta: tuple[torch.Tensor, ...]  # the metadata tensors themselves
+    copies: tuple[torch.Tensor, ...]  # their values then
+    config: tuple  # (block size, window, dtype)
+    plan: _Plan
+    batch: int  # the `one_batch` it was made or last found in (0: none)
+
+
+_last_plan: list[_CachedPlan | None] = [None]
 _batch = [0, 0]  # [the `one_batch` now open (0: none), the last one opened]
 
 
@@ -83,16 +92,16 @@ def _plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: t
           window: int | None, dtype: torch.dtype) -> _Plan:
     """The batch's plan, computed on the first layer's call and reused by the others, which receive
     the same metadata."""
-    meta = (query_start_loc, seq_lens, block_tables)
+    meta, config = (query_start_loc, seq_lens, block_tables), (block_size, window, dtype)
     cached = _last_plan[0]
-    if cached is not None and cached[2] == (block_size, window, dtype):
-        if _batch[0] and cached[4] == _batch[0] and all(a is b for a, b in zip(cached[0], meta)):
-            return cached[3]
-        if all(a.shape == b.shape and a.device == b.device and torch.equal(a, b) for a, b in zip(cached[1], meta)):
-            _last_plan[0] = (meta, cached[1], cached[2], cached[3], _batch[0])  # this batch's next layers: by identity
-            return cached[3]
+    if cached is not None and cached.config == config:
+        if _batch[0] and cached.batch == _batch[0] and all(a is b for a, b in zip(cached.meta, meta)):
+            return cached.plan
+        if all(a.shape == b.shape and a.device == b.device and torch.equal(a, b) for a, b in zip(cached.copies, meta)):
+            cached.meta, cached.batch = meta, _batch[0]  # this batch's next layers find it by identity
+            return cached.plan
     plan = _make_plan(query_start_loc, seq_lens, block_tables, block_size, window, dtype)
-    _last_plan[0] = (meta, tuple(t.clone() for t in meta), (block_size, window, dtype), plan, _batch[0])
+    _last_plan[0] = _CachedPlan(meta, tuple(t.clone() for t in meta), config, plan, _batch[0])
     return plan
 
 
