@@ -113,6 +113,8 @@ def info(cache_dir: Path, key: str, as_json: bool) -> int:
                               f"{m['triton_kernels']['triton']} (installed into Triton's cache at load)"]]
           if m.get("triton_kernels") else []),
         *([["LM head", _lm_head(m["lm_head"])]] if m.get("lm_head") else []),
+        *([["libraries", ", ".join(f"{name} {e['sha256'][:16]} ({format_size(e['bytes'])})"
+                                   for name, e in m["libraries"].items())]] if m.get("libraries") else []),
     ], tablefmt="plain"))
     for i, variant in enumerate(m["variants"]):
         label = artifact.variant_label(variant["ranges"], variant["sizes"])

@@ -13,7 +13,7 @@ from kiln.errors import KilnError
 
 def _blob_users(manifest: dict) -> dict[str, list[str]]:
     """sha256 -> "variant 0 submod_1 (dynamic)" for every piece and size that runs the blob, "LM head
-    (panels16)" for the head's libraries."""
+    (panels16)" for the head's libraries, "library decode_attention" for the others."""
     users: dict[str, list[str]] = {}
     for i, variant in enumerate(manifest["variants"]):
         for name, piece in variant["pieces"].items():
@@ -21,6 +21,8 @@ def _blob_users(manifest: dict) -> dict[str, list[str]]:
                 users.setdefault(blob["sha256"], []).append(f"variant {i} {name} ({size})")
     for format, blob in artifact.lm_head_libraries(manifest).items():
         users.setdefault(blob["sha256"], []).append(f"LM head ({format})")
+    for name, blob in manifest.get("libraries", {}).items():
+        users.setdefault(blob["sha256"], []).append(f"library {name}")
     return users
 
 

@@ -42,6 +42,7 @@ from kiln.compiler.key import python_version, system_info
 from kiln.compiler.program import (RELEASED, ByTokenCount, CompiledProgram, GraphInput, PackedWeights, SizedPiece,
                                    load_program, pack_lm_head, pack_weights)
 from kiln.config import dtype_name
+from kiln.kernels import decode_attention
 from kiln.errors import KilnError
 
 logger = logging.getLogger(__name__)
@@ -80,10 +81,11 @@ def _entry(path: Path) -> dict:
 
 
 def _blob_entries(manifest: dict) -> list[dict]:
-    """Each distinct blob (library) the pieces and the LM head use, once (identical layers and variants
+    """Each distinct blob (library) the pieces, the LM head and the attention use, once (identical layers and variants
     share theirs)."""
     pieces = [e for v in manifest["variants"] for p in v["pieces"].values() for e in p["sizes"].values()]
-    return list({e["sha256"]: e for e in pieces + list(lm_head_libraries(manifest).values())}.values())
+    others = list(lm_head_libraries(manifest).values()) + list(manifest.get("libraries", {}).values())
+    return list({e["sha256"]: e for e in pieces + others}.values())
 
 
 HEAD_TENSOR_ARGS = (0, 1)
@@ -126,6 +128,7 @@ def save(
     info: dict,
     debug: dict[str, str] | None = None,
     head_libraries: dict | None = None,
+    libraries: dict | None = None,
 ) -> None:
     """Write the artifact into a temporary sibling of `path`, then move it into place in one step.
 
@@ -133,8 +136,9 @@ def save(
     `kernel_choices` (the lowering's measured decisions, CUDA) and `pieces`: piece name -> an object
     with `compiled` ({size or None: CompiledLibrary}), `tokens`, `returns_tuple` and `tensor_args`.
     `head_libraries` maps a weight format to the LM head's library of its GEMM (`head_library`),
-    listed under info's "lm_head". `debug` maps a relative path under debug/ -> text; each library's
-    C++ is added under debug/inductor/.
+    listed under info's "lm_head"; `libraries` maps a name to a library the program calls between its
+    pieces (`attention_library`), listed as the manifest's "libraries". `debug` maps a relative path
+    under debug/ -> text; each library's C++ is added under debug/inductor/.
     """
     path = Path(path)
     tmp = atomic.shareable(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
@@ -164,6 +168,10 @@ def save(
         if head_libraries:
             info = {**info, "lm_head": {**info["lm_head"], "libraries": {
                 format: _save_library(tmp / "blobs", compiled, debug) for format, compiled in head_libraries.items()}}}
+        if libraries:
+            info = {**info, "libraries": {name: _save_library(tmp / "blobs", compiled, debug)
+                                          for name, compiled in libraries.items()}}
+            counters["blobs_saved"] += len(libraries)
         debug_entries = {}
         for rel, text in sorted(debug.items()):
             (tmp / "debug" / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -189,7 +197,7 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     logger.info("saved artifact %s (%d variants, %d blobs)", path, len(variant_entries),
-                len(blob_of) + len(head_libraries or {}))
+                len(blob_of) + len(head_libraries or {}) + len(libraries or {}))
 
 
 def _manifest_text(manifest: dict) -> str:
@@ -381,6 +389,8 @@ def load(path: Path, model: nn.Module, release_weights: bool = False) -> Compile
 
     inputs = [GraphInput(e["kind"], e["name"], e.get("of"), e.get("dim")) for e in manifest["inputs"]]
     _check_weights(manifest["inputs"], model)
+    decode = manifest.get("libraries", {}).get(decode_attention.LIBRARY)
+    decode_kernel = library(decode, decode_attention.LIBRARY_ARGS) if decode is not None else None
     forwards = []
     for i, variant in enumerate(manifest["variants"]):
         pieces = {}
@@ -394,7 +404,7 @@ def load(path: Path, model: nn.Module, release_weights: bool = False) -> Compile
                 token_args=tuple(entry.get("token_args", ())),
             )
         program = path / PROGRAMS / f"{i}.py"
-        forwards.append(load_program(program.read_text(), str(program), pieces))
+        forwards.append(load_program(program.read_text(), str(program), pieces, decode_kernel))
     head_gemms = {format: library(entry, HEAD_TENSOR_ARGS) for format, entry in lm_head_libraries(manifest).items()}
     # packing last: everything that can fail has loaded, so no weight is released for a failed load
     with ThreadPoolExecutor(1) as pool:  # the LM head packs beside the projections

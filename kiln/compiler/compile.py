@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from tqdm import tqdm
 
-from kiln.compiler import artifact, head_library, usage
+from kiln.compiler import artifact, attention_library, head_library, usage
 from kiln.compiler.aoti import CompiledLibrary, check_compilable, tensor_args
 from kiln.compiler.counters import counters
 from kiln.compiler.key import cache_key, model_factors
@@ -35,6 +35,7 @@ from kiln.compiler.trace import TracedBackbone, trace_backbone
 from kiln.compiler.workers import CompileJob, compile_jobs, probe_cpu_in_background
 from kiln.config import CompileConfig, dtype_name
 from kiln.kernels import panel_linear
+from kiln.kernels.decode_attention import LIBRARY
 from kiln.models.llama import CausalLM
 from kiln.passes import GraphPass, PassManager, gemm_choice
 from kiln.passes.base import SizeRange
@@ -405,6 +406,11 @@ def build_artifact(
             start = time.perf_counter()
             head_libraries = head_library.build(formats, tuple(model.lm_head_weight().shape), pieces)
             timings["compile"] += time.perf_counter() - start
+        libraries = {}
+        if attention_library.wanted(next(model.parameters()).device, model.dtype):
+            start = time.perf_counter()
+            libraries[LIBRARY] = attention_library.build(pieces)
+            timings["compile"] += time.perf_counter() - start
         if dump_dir is not None:
             for rel, text in debug.items():
                 (Path(dump_dir) / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -424,6 +430,7 @@ def build_artifact(
                       for v in variants],
             debug=debug,
             head_libraries=head_libraries,
+            libraries=libraries,
             info={
                 "timings": timings,
                 "counters": dict(counters - before),

@@ -5,19 +5,15 @@ artifact ships that kernel built by AOTInductor from a graph of the one op, its 
 The runtime calls a library as `library(x, packed_weight)` -> [rows, vocab] fp32, the op's numbers.
 """
 
-import logging
-
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 from kiln.compiler.aoti import CompiledLibrary
-from kiln.compiler.piece_cache import PieceCache, piece_cache_key
-from kiln.compiler.workers import CompileJob, compile_jobs
+from kiln.compiler.piece_cache import PieceCache
+from kiln.compiler.workers import CompileJob, compile_cached
 from kiln.kernels import panel_linear  # noqa: F401  (registers the ops)
-
-logger = logging.getLogger(__name__)
 
 OPS: dict[str, tuple[torch._ops.OpOverload, torch.dtype]] = {
     "panels16": (torch.ops.kiln.panel_linear.default, torch.float32),
@@ -50,22 +46,5 @@ def job(format: str, shape: tuple[int, int]) -> CompileJob:
 def build(formats: list[str], shape: tuple[int, int], cache: PieceCache | None = None) -> dict[str, CompiledLibrary]:
     """Each of `formats`' libraries for a head of `shape`, from the piece cache where another compile
     built it, else compiled side by side."""
-    built: dict[str, CompiledLibrary] = {}
-    jobs, todo = [], []
-    for format in formats:
-        todo_job = job(format, shape)
-        key = piece_cache_key(todo_job.graph, todo_job.inputs) if cache is not None else None
-        hit = cache.get(key) if key is not None else None
-        if hit is not None:
-            built[format] = hit
-            logger.info("reused the LM head's %s library from the piece cache", format)
-        else:
-            jobs.append(todo_job)
-            todo.append((format, key))
-    for i, compiled, seconds in compile_jobs(jobs):
-        format, key = todo[i]
-        built[format] = compiled
-        if key is not None:
-            cache.put(key, compiled)
-        logger.info("compiled the LM head's %s library in %.2fs", format, seconds)
-    return built
+    return compile_cached({format: job(format, shape) for format in formats}, cache,
+                          lambda format: f"the LM head's {format} library")

@@ -1,7 +1,7 @@
-"""The Inductor lowerings of kiln's panel GEMMs (`kiln.kernels.panel_linear`): a kernel's C++ goes
-into the wrapper of the piece that calls it, and the piece calls it like one of torch's C shim
-functions, from C++ with no Python, on the packed weight the piece takes as an input. The kernel is
-thus compiled with the piece, for the same ISA, and ships inside the artifact's library.
+"""The Inductor lowerings of kiln's C++ kernels: the panel GEMMs (`kiln.kernels.panel_linear`) and the
+decode attention (`kiln.kernels.decode_attention`). A kernel's C++ goes into the wrapper of the piece
+that calls it, and the piece calls it like one of torch's C shim functions, from C++ with no Python.
+The kernel is thus compiled with the piece, for the same ISA, and ships inside the artifact's library.
 """
 
 import functools
@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from kiln.kernels import panel_linear
+from kiln.kernels import decode_attention, panel_linear
 from kiln.kernels.panel_linear import PanelKernel
 
 logger = logging.getLogger(__name__)
@@ -31,32 +31,41 @@ def register() -> bool:
         logger.info("this torch's Inductor builds extern kernels differently: kiln's panel GEMMs are not offered")
         return False
 
-    class PanelGemm(ir.ExternKernelAlloc):
-        def __init__(self, kernel: PanelKernel, layout, inputs):
-            super().__init__(layout, inputs, (), None, None, kernel.shim, (),
-                             getattr(torch.ops.kiln, kernel.op).default)
-            self.kernel = kernel
+    class CppKernel(ir.ExternKernelAlloc):
+        def __init__(self, op: str, source: str, shim: str, layout, inputs):
+            super().__init__(layout, inputs, (), None, None, shim, (), getattr(torch.ops.kiln, op).default)
+            self.op, self.source = op, source
 
         def codegen(self, wrapper):
             headers = getattr(wrapper, "_included_extra_headers", None)
             if headers is None:
-                raise RuntimeError(f"kiln::{self.kernel.op} lowers for AOTInductor's C++ wrapper only")
-            marker = f"kiln::{self.kernel.op}"  # among the wrapper's headers: its source is spliced in once
+                raise RuntimeError(f"kiln::{self.op} lowers for AOTInductor's C++ wrapper only")
+            marker = f"kiln::{self.op}"  # among the wrapper's headers: its source is spliced in once
             if marker not in headers:
                 headers.add(marker)
-                wrapper.header.splice(self.kernel.source + self.kernel.wrapper_source)
+                wrapper.header.splice(self.source)
             super().codegen(wrapper)
+
+    def realized(tensors) -> list:
+        return [ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(t)) for t in tensors if t is not None]
 
     def lowering(kernel: PanelKernel):
         def lower(x, weight, bias=None):
-            inputs = [ir.ExternKernel.require_contiguous(ir.ExternKernel.realize_input(t))
-                      for t in (x, weight, bias) if t is not None]
             m, n = x.get_size()[0], weight.get_size()[0]
             layout = ir.FixedLayout(x.get_device(), torch.float32, [m, n])
-            return ir.TensorBox.create(PanelGemm(kernel, layout, inputs))
+            return ir.TensorBox.create(CppKernel(kernel.op, kernel.source + kernel.wrapper_source, kernel.shim,
+                                                 layout, realized((x, weight, bias))))
 
         register_lowering(getattr(torch.ops.kiln, kernel.op).default, type_promotion_kind=None)(lower)
 
     lowering(panel_linear.FLOAT)
     lowering(panel_linear.INT8)
+
+    @register_lowering(torch.ops.kiln.decode_attention.default, type_promotion_kind=None)
+    def lower_attention(query, kv_cache, block_tables, seq_lens, params):
+        layout = ir.FixedLayout(query.get_device(), torch.float32, list(query.get_size()))
+        source = decode_attention.SOURCE + decode_attention.WRAPPER_SOURCE
+        return ir.TensorBox.create(CppKernel("decode_attention", source, decode_attention.SHIM, layout,
+                                             realized((query, kv_cache, block_tables, seq_lens, params))))
+
     return True

@@ -187,10 +187,14 @@ def program_of(forward: Callable):
     return (forward.forward if isinstance(forward, PackedWeights) else forward).__self__
 
 
-def load_program(source: str, filename: str, pieces: dict[str, Callable]) -> Callable:
-    """Execute the stitching code of `kiln compile` and bind its compiled pieces."""
+def load_program(source: str, filename: str, pieces: dict[str, Callable],
+                 decode_attention: Callable | None = None) -> Callable:
+    """Execute the stitching code of `kiln compile` and bind its compiled pieces, and its attention
+    calls to the `decode_attention` library where the artifact ships one."""
     namespace: dict = {"__name__": "kiln_program"}
     exec(compile(source, filename, "exec"), namespace)
+    if decode_attention is not None and "attention_call" in namespace:
+        namespace["attention_call"] = functools.partial(namespace["attention_call"], decode=decode_attention)
     return namespace["Program"](pieces).forward
 
 

@@ -14,7 +14,7 @@ import multiprocessing
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
@@ -22,6 +22,7 @@ import torch
 from torch import fx
 
 from kiln.compiler.aoti import CompiledLibrary, compile_library
+from kiln.compiler.piece_cache import PieceCache, piece_cache_key
 from kiln.errors import KilnError
 
 logger = logging.getLogger(__name__)
@@ -104,3 +105,26 @@ def compile_jobs(jobs: list[CompileJob]) -> Iterator[tuple[int, CompiledLibrary,
                 yield future.result()
     finally:
         _jobs = []
+
+
+def compile_cached(jobs: dict[str, CompileJob], cache: PieceCache | None,
+                   describe: Callable[[str], str]) -> dict[str, CompiledLibrary]:
+    """Each named job's library: from the piece cache where another compile built it, else compiled
+    side by side and stored there. `describe(name)` names a library in the logs."""
+    built: dict[str, CompiledLibrary] = {}
+    todo = []
+    for name, job in jobs.items():
+        key = piece_cache_key(job.graph, job.inputs) if cache is not None else None
+        hit = cache.get(key) if key is not None else None
+        if hit is not None:
+            built[name] = hit
+            logger.info("reused %s from the piece cache", describe(name))
+        else:
+            todo.append((name, key))
+    for i, compiled, seconds in compile_jobs([jobs[name] for name, _ in todo]):
+        name, key = todo[i]
+        built[name] = compiled
+        if key is not None:
+            cache.put(key, compiled)
+        logger.info("compiled %s in %.2fs", describe(name), seconds)
+    return built

@@ -5,10 +5,14 @@ graph holds no per-batch constants and one compiled graph serves every batch.
 """
 
 import contextlib
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kiln.kernels import decode_attention
 
 
 @dataclass
@@ -105,6 +109,12 @@ def _plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: t
     return plan
 
 
+@functools.lru_cache(maxsize=8)
+def _decode_params(scale: float, sliding_window: int) -> torch.Tensor:
+    """The decode library's `params` tensor, made once per layer shape, not per call."""
+    return decode_attention.params(scale, sliding_window)
+
+
 def _make_plan(query_start_loc, seq_lens, block_tables, block_size: int, window: int | None,
                dtype: torch.dtype) -> _Plan:
     device = query_start_loc.device
@@ -154,12 +164,18 @@ def attention_native(
     block_tables: torch.Tensor,
     scale: float,
     sliding_window: int,
+    decode: Callable | None = None,
 ) -> torch.Tensor:
     """CPU path and reference: the decodes run as one SDPA (each KV head's query group as the query
     rows, so no KV head is repeated), the prefills as one SDPA per shape (sequences of equal query and
-    context lengths, the usual batched prompts, together)."""
+    context lengths, the usual batched prompts, together). A batch of only decodes in fp32 runs on
+    `decode` where given: the decode attention library (`kiln.kernels.decode_attention`)."""
     window = sliding_window if sliding_window > 0 else None
     plan = _plan(query_start_loc, seq_lens, block_tables, kv_cache.shape[2], window, query.dtype)
+    if decode is not None and plan.decode_all and query.dtype == kv_cache.dtype == torch.float32 \
+            and block_tables.dtype == seq_lens.dtype == torch.int32:  # what the kernel reads, contiguous
+        return decode(query.contiguous(), kv_cache.contiguous(), block_tables.contiguous(), seq_lens.contiguous(),
+                      _decode_params(scale, sliding_window))[0]
     hq, d = query.shape[1], query.shape[2]
     hkv = kv_cache.shape[3]
     if plan.decode_rows is not None:
@@ -205,12 +221,14 @@ def attention(
 
 def attention_call(query: torch.Tensor, kv_cache: torch.Tensor, write_done: torch.Tensor,
                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
-                   sliding_window: int) -> torch.Tensor:
+                   sliding_window: int, decode: Callable | None = None) -> torch.Tensor:
     """`kiln::attention` as a compiled program calls it between its pieces: on CPU straight to its
     implementation, not through the op dispatcher (7 us a call on a 2-core EPYC, one call a layer per
-    step); elsewhere through the op, which picks the device's kernel."""
+    step), batches of decodes on the artifact's `decode` library where it ships one; elsewhere
+    through the op, which picks the device's kernel."""
     if query.device.type == "cpu":
-        return attention_native(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window)
+        return attention_native(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window,
+                                decode)
     return torch.ops.kiln.attention.default(query, kv_cache, write_done, query_start_loc, seq_lens, block_tables,
                                             scale, sliding_window)
 

@@ -336,10 +336,15 @@ def test_dump_writes_readable_code(cache, llama_artifact, tmp_path, capsys):
     assert "torch.ops.kiln.attention" in (out_dir / "debug" / "graphs" / "before_passes.py").read_text()
     assert len(list((out_dir / "debug" / "graphs").glob("submod_*.py"))) == 9  # 4 layers: 2L+1 pieces
     blobs = {e["sha256"] for p in manifest["variants"][0]["pieces"].values() for e in p["sizes"].values()}
+    library = manifest["libraries"]["decode_attention"]["sha256"]
     generated = list((out_dir / "debug" / "inductor").iterdir())
-    assert sorted(p.name for p in generated) == sorted(sha[:16] for sha in blobs) and len(blobs) == 3
+    assert sorted(p.name for p in generated) == sorted(sha[:16] for sha in blobs | {library}) and len(blobs) == 3
     for folder in generated:
-        assert (folder / "USERS").read_text().startswith("variant 0 submod_")
+        users = (folder / "USERS").read_text()
+        if folder.name == library[:16]:
+            assert users == "library decode_attention\n"
+        else:
+            assert users.startswith("variant 0 submod_")
         assert "AOTInductorModel::run_impl" in (folder / "wrapper.cpp").read_text()
         assert 'extern "C"' in (folder / "kernel.cpp").read_text()
     status, out = kiln_cache_cmd(capsys, "dump", llama_artifact.name, "-o", out_dir, "--cache-dir", cache)

@@ -58,7 +58,7 @@ def test_serves_from_artifact_with_no_compiler(tmp_path, demo_dirs, kiln_cache, 
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["dynamo_frames"] == {}  # Dynamo traced nothing
     assert got["inductor_compiler"] == []  # Inductor's Python was never imported, let alone run
-    assert got["kiln"] == {"blobs_loaded": 3}
+    assert got["kiln"] == {"blobs_loaded": 4}  # three unique pieces, the decode attention library
     assert "kiln.compiler.trace" not in got["compiler_modules"] and "kiln.compiler.compile" not in got["compiler_modules"]
     assert not list((tmp_path / "tmp").iterdir())  # nothing was built in a temp dir
     eager = LLM(demo_dirs["llama"]).generate(PROMPTS, GREEDY)
@@ -264,7 +264,9 @@ def test_manifest_records_factors_contract_and_timings(llama_artifact):
     assert kv["shape"][1] is None and kv["shape"][0] == 2  # the block count is the symbolic dimension
     blobs = {p.stem: p.stat().st_size for p in (llama_artifact / "blobs").glob("*.so")}
     entries = [e for p in variant["pieces"].values() for e in p["sizes"].values()]
-    assert {e["sha256"]: e["bytes"] for e in entries} == blobs
+    [(name, library)] = manifest["libraries"].items()  # fp32 on CPU: the decode attention ships
+    assert name == "decode_attention" and library["sha256"] not in {e["sha256"] for e in entries}
+    assert {e["sha256"]: e["bytes"] for e in entries + [library]} == blobs
     calls = {e["sha256"]: e["calls"]["bytes"] for e in entries if e["calls"] is not None}  # pieces calling kiln ops
     assert calls == {} and not list((llama_artifact / "blobs").glob("*.json"))  # none: the KV write is lowered
     program = (llama_artifact / "programs" / "0.py").read_text()

@@ -64,7 +64,8 @@ def test_each_batch_runs_the_variant_for_its_token_count(demo_dirs, tmp_path, ca
               max_num_batched_tokens=64)
     # variant 0 (1-8 and 16, with the pass): 3 unique pieces x (dynamic + size 16); variant 1 (9-32, 33-64):
     # the two pieces the pass does not touch are the same graphs, only the last one compiles again
-    assert counters["pieces_compiled"] + counters["pieces_cached"] == 7 and counters["blobs_saved"] == 7
+    # (and the decode attention's library)
+    assert counters["pieces_compiled"] + counters["pieces_cached"] == 7 and counters["blobs_saved"] == 7 + 1
     manifest = read_manifest(llm.artifact_path)
     assert [(v["ranges"], v["sizes"]) for v in manifest["variants"]] == [([[1, 8]], [16]), ([[9, 32], [33, 64]], [])]
     matches = pass_matches(manifest)

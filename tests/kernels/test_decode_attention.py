@@ -1,0 +1,72 @@
+"""The decode attention kernel, as its library runs it, against the op's reference (torch's SDPA over
+the gathered cache), and the attention call's choice of it."""
+
+import pytest
+import torch
+
+from kiln.compiler import attention_library
+from kiln.compiler.aoti import LoadedLibrary
+from kiln.kernels.attention import attention_native
+from kiln.kernels import decode_attention
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    path = tmp_path_factory.mktemp("decode") / "decode_attention.so"
+    path.write_bytes(attention_library.build().library)
+    return LoadedLibrary(path, decode_attention.LIBRARY_ARGS)
+
+
+def _case(seqs: int, hq: int, hkv: int, d: int, block: int, blocks: int, width: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(2, blocks, block, hkv, d, generator=gen)
+    query = torch.randn(seqs, hq, d, generator=gen)
+    tables = torch.randint(0, blocks, (seqs, width), dtype=torch.int32, generator=gen)
+    lens = torch.randint(1, width * block + 1, (seqs,), dtype=torch.int32, generator=gen)
+    return query, cache, tables, lens
+
+
+@pytest.mark.parametrize("shape", [
+    (1, 14, 2, 64, 16, 40, 8),  # Qwen2.5-0.5B's heads, batch 1
+    (5, 8, 8, 32, 4, 30, 6),  # no GQA, blocks of 4
+    (3, 12, 4, 40, 16, 20, 4),  # a head size the 16-wide vectors leave a tail of
+    (16, 4, 1, 128, 16, 64, 50),  # 16 sequences, one KV head, up to 800 tokens of context
+])
+@pytest.mark.parametrize("window", [0, 7])
+def test_library_matches_reference(library, shape, window):
+    query, cache, tables, lens = _case(*shape)
+    params = decode_attention.params(0.125, window)
+    expected = torch.ops.kiln.decode_attention(query, cache, tables, lens, params)
+    out = library(query, cache, tables, lens, params)[0]
+    assert out.shape == query.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_one_token_of_context_is_its_value(library):
+    query, cache, tables, lens = _case(2, 4, 2, 16, 4, 8, 2)
+    lens = torch.tensor([1, 1], dtype=torch.int32)
+    out = library(query, cache, tables, lens, decode_attention.params(1.0, 0))[0]
+    values = cache[1, tables[:, 0].long(), 0]  # [seqs, kv_heads, d]: each head's one value
+    torch.testing.assert_close(out, values.repeat_interleave(2, dim=1))
+
+
+def test_attention_runs_the_library_for_decodes_only(library):
+    """A batch of decodes in fp32 goes to the library; a batch with a prefill, or bf16, does not; the
+    numbers are the same either way."""
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return library(*args)
+
+    query, cache, tables, lens = _case(3, 4, 2, 16, 4, 16, 4)
+    starts = torch.arange(4, dtype=torch.int32)
+    out = attention_native(query, cache, starts, lens, tables, 0.25, 0, decode=counted)
+    torch.testing.assert_close(out, attention_native(query, cache, starts, lens, tables, 0.25, 0))
+    assert calls == [3]
+    mixed = torch.tensor([0, 1, 3], dtype=torch.int32)  # the second sequence has two query tokens
+    two = torch.tensor([5, 9], dtype=torch.int32)
+    out = attention_native(query, cache, mixed, two, tables[:2], 0.25, 0, decode=counted)
+    torch.testing.assert_close(out, attention_native(query, cache, mixed, two, tables[:2], 0.25, 0))
+    attention_native(query.bfloat16(), cache.bfloat16(), starts, lens, tables, 0.25, 0, decode=counted)
+    assert calls == [3]
