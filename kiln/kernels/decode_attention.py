@@ -77,6 +77,18 @@ static inline void kiln_axpy(float w, const float* __restrict x, float* __restri
   for (; i < n; ++i) y[i] += w * x[i];
 }
 
+// Where token p's row of KV head h starts in the cache's K half, through the sequence's block table
+static inline int64_t kiln_row(const int32_t* table, int64_t p, int64_t BS, int64_t HKV, int64_t h, int64_t D) {
+  return ((table[p / BS] * BS + p % BS) * HKV + h) * D;
+}
+
+// The rows of the cache are scattered over blocks, which the hardware prefetcher does not follow:
+// each loop over the context asks for the row KILN_AHEAD tokens on
+#define KILN_AHEAD 8
+static inline void kiln_prefetch(const float* row, int64_t D) {
+  for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(row + i);
+}
+
 // out [B, HQ, D] = softmax(scale q k^T) v per sequence b over its context (the last `window` tokens of
 // it if window > 0), K and V read from the paged cache [2, N, BS, HKV, D] through tables [B, W]
 extern "C" void kiln_decode_attention(const float* q, const float* cache, const int32_t* tables,
@@ -92,7 +104,7 @@ extern "C" void kiln_decode_attention(const float* q, const float* cache, const 
     #pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; ++b)
       for (int64_t h = 0; h < HKV; ++h) {
-        int64_t ctx = lens[b] < W * BS ? lens[b] : W * BS;
+        const int64_t ctx = lens[b] < W * BS ? lens[b] : W * BS;
         const int64_t start = window > 0 && ctx > window ? ctx - window : 0, n = ctx - start;
         if (G * n > capacity) {
           capacity = G * n;
@@ -101,7 +113,8 @@ extern "C" void kiln_decode_attention(const float* q, const float* cache, const 
         }
         const float* qb = q + (b * HQ + h * G) * D;
         for (int64_t p = start; p < ctx; ++p) {
-          const float* k = cache + ((tables[b * W + p / BS] * BS + p % BS) * HKV + h) * D;
+          if (p + KILN_AHEAD < ctx) kiln_prefetch(cache + kiln_row(tables + b * W, p + KILN_AHEAD, BS, HKV, h, D), D);
+          const float* k = cache + kiln_row(tables + b * W, p, BS, HKV, h, D);
           for (int64_t g = 0; g < G; ++g) {
             scores[g * n + p - start] = kiln_dot(qb + g * D, k, D) * scale;
           }
@@ -123,8 +136,10 @@ extern "C" void kiln_decode_attention(const float* q, const float* cache, const 
           for (i = 0; i < n; ++i) s[i] *= inv;
         }
         for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.f;
+        const float* values = cache + half;
         for (int64_t p = start; p < ctx; ++p) {
-          const float* v = cache + half + ((tables[b * W + p / BS] * BS + p % BS) * HKV + h) * D;
+          if (p + KILN_AHEAD < ctx) kiln_prefetch(values + kiln_row(tables + b * W, p + KILN_AHEAD, BS, HKV, h, D), D);
+          const float* v = values + kiln_row(tables + b * W, p, BS, HKV, h, D);
           for (int64_t g = 0; g < G; ++g) {
             kiln_axpy(scores[g * n + p - start], v, acc + g * D, D);
           }
