@@ -86,6 +86,8 @@ def test_ls_and_info(cache, llama_artifact, demo_dirs, capsys):
     for p in manifest["variants"][0]["passes"]:
         assert any(line.split()[:2] == [p["name"], str(p["matches"])] for line in out.splitlines()), p
     assert "trace" in out and "compile" in out and "total" in out
+    library = manifest["libraries"]["decode_attention"]
+    assert any(line.split()[:3] == ["libraries", "decode_attention", library["sha256"][:16]] for line in out.splitlines())
     assert as_json(capsys, "info", key, "--cache-dir", cache)["manifest"] == manifest
 
     status, out = kiln_cache_cmd(capsys, "info", "ffff", "--cache-dir", cache)
