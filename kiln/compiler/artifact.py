@@ -42,8 +42,8 @@ from kiln.compiler.key import python_version, system_info
 from kiln.compiler.program import (RELEASED, ByTokenCount, CompiledProgram, GraphInput, PackedWeights, SizedPiece,
                                    load_program, pack_lm_head, pack_weights)
 from kiln.config import dtype_name
-from kiln.kernels import decode_attention
 from kiln.errors import KilnError
+from kiln.kernels import decode_attention
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +81,8 @@ def _entry(path: Path) -> dict:
 
 
 def _blob_entries(manifest: dict) -> list[dict]:
-    """Each distinct blob (library) the pieces, the LM head and the attention use, once (identical layers and variants
-    share theirs)."""
+    """Each distinct blob (library) the pieces, the LM head and the decode attention use, once
+    (identical layers and variants share theirs)."""
     pieces = [e for v in manifest["variants"] for p in v["pieces"].values() for e in p["sizes"].values()]
     others = list(lm_head_libraries(manifest).values()) + list(manifest.get("libraries", {}).values())
     return list({e["sha256"]: e for e in pieces + others}.values())

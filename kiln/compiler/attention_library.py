@@ -9,11 +9,11 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
+from kiln.compiler import panel_lowering
 from kiln.compiler.aoti import CompiledLibrary
 from kiln.compiler.piece_cache import PieceCache
 from kiln.compiler.workers import CompileJob, compile_cached
 from kiln.kernels.decode_attention import LIBRARY
-
 
 EXAMPLES = {  # traced shapes: sizes all different (and above 1), so none is taken for another
     "query": ((3, 6, 16), torch.float32, (0, 1, 2)),
@@ -27,8 +27,9 @@ EXAMPLES = {  # traced shapes: sizes all different (and above 1), so none is tak
 
 def wanted(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether an artifact for a model on `device` computing in `dtype` ships the library: the kernel
-    is fp32 C++ for CPUs."""
-    return device.type == "cpu" and dtype == torch.float32
+    is fp32 C++ for CPUs, and it needs its lowering (without it AOTInductor would call the op's Python
+    reference from the library)."""
+    return device.type == "cpu" and dtype == torch.float32 and panel_lowering.register()
 
 
 def job() -> CompileJob:
@@ -49,4 +50,3 @@ def job() -> CompileJob:
 def build(cache: PieceCache | None = None) -> CompiledLibrary:
     """The library, from the piece cache where another compile built it, else compiled."""
     return compile_cached({LIBRARY: job()}, cache, lambda name: "the decode attention library")[LIBRARY]
-

@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 @functools.cache
 def register() -> bool:
     """Register the lowerings once per process (before a CPU piece is compiled); False when this torch's
-    Inductor builds extern kernels differently (the compile then never chooses the kernels)."""
+    Inductor builds extern kernels differently (the compile then never chooses the kernels, nor ships the
+    decode attention's library)."""
     try:
         from torch._inductor import ir
         from torch._inductor.lowering import register_lowering
@@ -28,7 +29,8 @@ def register() -> bool:
     expected = ["self", "layout", "inputs", "constant_args", "kwargs", "python_kernel_name", "cpp_kernel_name",
                 "ordered_kwargs_for_cpp_kernel", "op_overload"]
     if list(inspect.signature(ir.ExternKernelAlloc.__init__).parameters) != expected:
-        logger.info("this torch's Inductor builds extern kernels differently: kiln's panel GEMMs are not offered")
+        logger.info("this torch's Inductor builds extern kernels differently: kiln's panel GEMMs and decode "
+                    "attention are not offered")
         return False
 
     class CppKernel(ir.ExternKernelAlloc):

@@ -172,10 +172,10 @@ def attention_native(
     `decode` where given: the decode attention library (`kiln.kernels.decode_attention`)."""
     window = sliding_window if sliding_window > 0 else None
     plan = _plan(query_start_loc, seq_lens, block_tables, kv_cache.shape[2], window, query.dtype)
+    args = (query, kv_cache, block_tables, seq_lens)
     if decode is not None and plan.decode_all and query.dtype == kv_cache.dtype == torch.float32 \
-            and block_tables.dtype == seq_lens.dtype == torch.int32:  # what the kernel reads, contiguous
-        return decode(query.contiguous(), kv_cache.contiguous(), block_tables.contiguous(), seq_lens.contiguous(),
-                      _decode_params(scale, sliding_window))[0]
+            and block_tables.dtype == seq_lens.dtype == torch.int32 and all(t.is_contiguous() for t in args):
+        return decode(*args, _decode_params(scale, sliding_window))[0]  # what the kernel reads, as it reads it
     hq, d = query.shape[1], query.shape[2]
     hkv = kv_cache.shape[3]
     if plan.decode_rows is not None:

@@ -4,7 +4,7 @@ the gathered cache), and the attention call's choice of it."""
 import pytest
 import torch
 
-from kiln.compiler import attention_library
+from kiln.compiler import attention_library, panel_lowering
 from kiln.compiler.aoti import LoadedLibrary
 from kiln.kernels.attention import attention_native
 from kiln.kernels import decode_attention
@@ -69,4 +69,18 @@ def test_attention_runs_the_library_for_decodes_only(library):
     out = attention_native(query, cache, mixed, two, tables[:2], 0.25, 0, decode=counted)
     torch.testing.assert_close(out, attention_native(query, cache, mixed, two, tables[:2], 0.25, 0))
     attention_native(query.bfloat16(), cache.bfloat16(), starts, lens, tables, 0.25, 0, decode=counted)
+    strided = query.transpose(0, 1).contiguous().transpose(0, 1)  # the same values, not row-major
+    out = attention_native(strided, cache, starts, lens, tables, 0.25, 0, decode=counted)
+    torch.testing.assert_close(out, attention_native(query, cache, starts, lens, tables, 0.25, 0))
     assert calls == [3]
+
+
+def test_library_is_shipped_only_where_it_lowers(monkeypatch):
+    """fp32 on CPU only, and never without its lowering: AOTInductor would otherwise build a library
+    that calls the op's Python reference."""
+    cpu = torch.device("cpu")
+    assert attention_library.wanted(cpu, torch.float32)
+    assert not attention_library.wanted(cpu, torch.bfloat16) and not attention_library.wanted(torch.device("cuda"),
+                                                                                               torch.float32)
+    monkeypatch.setattr(panel_lowering, "register", lambda: False)
+    assert not attention_library.wanted(cpu, torch.float32)
