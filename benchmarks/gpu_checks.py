@@ -148,6 +148,7 @@ llm = LLM(sys.argv[1], dtype=sys.argv[2], device=sys.argv[3], compile=True, cach
 ready = time.perf_counter() - start
 llm.generate(json.loads(sys.argv[5]), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
 print(json.dumps({"start_s": round(ready, 2), "kiln": dict(counters), "compiled": triton_cache.compiled_kernels,
+                  "backend": triton_cache.describe_backend(triton_cache.backend_key()) if sys.argv[3] != "cpu" else None,
                   "triton_env": {k: v for k, v in os.environ.items() if k.startswith("TRITON_")},
                   "dynamo_frames": sum(torch._dynamo.utils.counters["frames"].values()),
                   "inductor_imported": "torch._inductor.compile_fx" in sys.modules}))
@@ -159,15 +160,16 @@ def serve_start(work: Path, device: str, dtype: str) -> dict:
     is empty: only the artifact's kernels are there to find. Also lists the shared libraries Triton
     wrote there (its per-kernel launchers and driver utilities, built with the C compiler by Triton
     3.6 at first launch, which no compilation listener reports)."""
-    from kiln.compiler import artifact
+    from kiln.compiler import artifact, triton_cache
 
     prompts = [p * k for k, p in enumerate(PROMPTS, 1)]  # lengths from a few tokens to many: decodes and prefills
-    with tempfile.TemporaryDirectory(prefix="kiln-triton-cache-") as triton_cache:
-        env = {**os.environ, "TRITON_CACHE_DIR": triton_cache}
+    with tempfile.TemporaryDirectory(prefix="kiln-triton-cache-") as serve_cache:
+        # the environment this process started with: Inductor has set TRITON_PTXAS_PATH here since
+        env = {**triton_cache.startup_environ(), "TRITON_CACHE_DIR": serve_cache}
         proc = subprocess.run([sys.executable, "-c", SERVE_START, str(_demo(work, "llama")), dtype, device,
                                str(work / "cache"), json.dumps(prompts)], capture_output=True, text=True, env=env,
                               cwd=ROOT)
-        libraries = sorted(f.name for f in Path(triton_cache).rglob("*.so"))
+        libraries = sorted(f.name for f in Path(serve_cache).rglob("*.so"))
         if proc.returncode != 0:
             print("serve start failed:", proc.stderr[-3000:], flush=True)
             return {"returncode": proc.returncode}
@@ -177,8 +179,11 @@ def serve_start(work: Path, device: str, dtype: str) -> dict:
         result["artifact_triton_files"] = sorted(len(f) for f in shipped)
         result["shipped_entries"] = sorted(f for files in shipped for f in files if f.endswith(".json"))
         result["shipped_env"] = [artifact.read_manifest(p).get("triton_kernels", {}).get("env") for p in artifacts]
+        result["shipped_backend"] = [triton_cache.describe_backend(b) for p in artifacts
+                                     if (b := artifact.read_manifest(p).get("triton_kernels", {}).get("backend"))]
+        result["warnings"] = [line for line in proc.stderr.splitlines() if "Triton kernels were built" in line]
         for kernel in result["compiled"]:  # why a shipped kernel did not match: its metadata beside this build's
-            kernel["metadata_differs"] = _metadata_differences(Path(triton_cache) / kernel["entry"], kernel["name"],
+            kernel["metadata_differs"] = _metadata_differences(Path(serve_cache) / kernel["entry"], kernel["name"],
                                                                [p / artifact.TRITON_KERNELS for p in artifacts])
     result["triton_kernels_compiled"] = result["kiln"].get("triton_kernels_compiled", 0)
     result["triton_libraries_built"] = libraries

@@ -204,12 +204,13 @@ def _manifest_text(manifest: dict) -> str:
     return json.dumps(manifest, indent=1, sort_keys=True) + "\n"
 
 
-def add_triton_kernels(path: Path, packed: Path, triton_version: str, seconds: float) -> int:
+def add_triton_kernels(path: Path, packed: Path, triton_version: str, seconds: float,
+                       backend: str | None = None) -> int:
     """Add the Triton kernels packed under `packed` (`triton_cache.pack`) to the artifact at `path`
-    and pin them in its manifest, with the TRITON_* variables they were built under (some enter
-    Triton's cache key: Inductor sets TRITON_PTXAS_PATH in a compiling process); returns how many
-    files. The files are copied first and the manifest is replaced in one step after: until then the
-    artifact is whole, only without them."""
+    and pin them in its manifest, with the `backend` they were built for (`triton_cache.backend_key`)
+    and the TRITON_* variables they were built under; returns how many files. The files are copied
+    first and the manifest is replaced in one step after: until then the artifact is whole, only
+    without them."""
     path = Path(path)
     manifest = read_manifest(path)
     target = path / TRITON_KERNELS
@@ -219,6 +220,8 @@ def add_triton_kernels(path: Path, packed: Path, triton_version: str, seconds: f
     files = {p.relative_to(target).as_posix(): _entry(p) for p in sorted(target.rglob("*")) if p.is_file()}
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("TRITON_") and k != "TRITON_CACHE_DIR"}
     manifest["triton_kernels"] = {"triton": triton_version, "files": files, "env": env}
+    if backend is not None:
+        manifest["triton_kernels"]["backend"] = backend
     manifest.setdefault("timings", {})["triton_kernels"] = seconds
     atomic.write_bytes(path / MANIFEST, _manifest_text(manifest).encode())
     return len(files)
@@ -227,7 +230,8 @@ def add_triton_kernels(path: Path, packed: Path, triton_version: str, seconds: f
 def install_triton_kernels(path: Path, manifest: dict) -> int:
     """Put the artifact's Triton kernels into this machine's Triton cache, so their first launch
     compiles nothing; from here on, count the kernels Triton does compile. Returns how many were added
-    (0 when they are there already, or were built by another Triton: those compile at first launch)."""
+    (0 when they are there already, or were built by another Triton or ptxas: those compile at first
+    launch, and a warning says why)."""
     from kiln.compiler import triton_cache
 
     triton_cache.watch()
@@ -240,6 +244,14 @@ def install_triton_kernels(path: Path, manifest: dict) -> int:
         logger.warning("the artifact's Triton kernels were built by triton %s, this is %s: they compile at first "
                        "launch; run `kiln compile --force` here to ship this Triton's", kernels["triton"],
                        triton.__version__)
+        return 0
+    if kernels.get("backend") is not None and (here := triton_cache.backend_key()) != kernels["backend"]:
+        ptxas = os.environ.get("TRITON_PTXAS_PATH")
+        fix = (f"TRITON_PTXAS_PATH is {ptxas} here: unset it, or point it at the ptxas `kiln compile` used"
+               if ptxas else "run `kiln compile --force` in this environment to ship kernels for it")
+        logger.warning("the artifact's Triton kernels were built with %s, this process has %s: they compile at "
+                       "first launch; %s", triton_cache.describe_backend(kernels["backend"]),
+                       triton_cache.describe_backend(here), fix)
         return 0
     added = triton_cache.install(Path(path) / TRITON_KERNELS)
     logger.info("Triton kernels: %d from the artifact added to %s", added, triton_cache.cache_dir())

@@ -332,14 +332,17 @@ def ship_triton_kernels(path: Path, model: CausalLM, block_size: int = 16) -> in
     cfg, device = model.config, next(model.parameters()).device
     kv_caches = [torch.zeros(2, 4, block_size, model.layout.num_kv_heads, cfg.head_dim, dtype=model.dtype,
                              device=device) for _ in range(cfg.num_layers)]
-    triton_cache.forget_launched()
-    with triton_cache.Recorder() as recorder, torch.inference_mode():
-        batches = program.run_each_form(kv_caches, block_size)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as packed:
-        triton_cache.pack(recorder.builds, Path(packed))
-        files = artifact.add_triton_kernels(path, Path(packed), triton.__version__, time.perf_counter() - start)
+    with triton_cache.as_fresh_process():  # not under the TRITON_PTXAS_PATH Inductor set here
+        triton_cache.forget_launched()
+        with triton_cache.Recorder() as recorder, torch.inference_mode():
+            batches = program.run_each_form(kv_caches, block_size)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        backend = triton_cache.backend_key() if device.type == "cuda" else None
+        with tempfile.TemporaryDirectory() as packed:
+            triton_cache.pack(recorder.builds, Path(packed))
+            files = artifact.add_triton_kernels(path, Path(packed), triton.__version__, time.perf_counter() - start,
+                                                backend)
     logger.info("Triton kernels: %d built (%d compiled, the rest from Triton's cache) by %d warm-up batches, "
                 "%d files added to the artifact", len(recorder.builds), len(recorder.compiled), len(batches), files)
     return len(recorder.builds)

@@ -10,13 +10,21 @@ where the first launch finds them. The hash covers Triton's version, the GPU arc
 and the options, so on another setup nothing matches and the kernels compile at first launch, as
 they would without the artifact; `watch` counts such compiles (`triton_kernels_compiled`).
 
+The ptxas a process uses depends on TRITON_PTXAS_PATH, which Inductor sets in a compiling process
+(to torch's own ptxas) and a serve process, which never imports Inductor, does not see. So the
+warm-up runs `as_fresh_process()`, and the manifest records the `backend_key` it built under.
+
 Triton is imported only when these functions run: a CPU process never pays for it.
 """
 
 import json
 import logging
+import os
+import re
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from kiln.compiler import atomic
@@ -150,3 +158,63 @@ def watch() -> None:
 
     compilation.listener = listen
     _watching = True
+
+
+def backend_key(target=None) -> str:
+    """What Triton's cache key takes from the compiler backend of `target` (default: this process's
+    GPU): on CUDA, ptxas's version and the architecture. A kernel built under another key is not
+    found by a lookup here: it compiles again."""
+    from triton.compiler.compiler import make_backend
+    from triton.runtime import driver
+
+    return make_backend(target or driver.active.get_current_target()).hash()
+
+
+def describe_backend(key: str) -> str:
+    """A backend key in a few words ("ptxas 12.8.93, sm_90"), for messages."""
+    version, arch = re.search(r"\bV(\d+(?:\.\d+)+)", key), re.search(r"-(\d+)\s*$", key)
+    if version is None:
+        return key.strip().splitlines()[0][:80] if key.strip() else "an unknown backend"
+    return f"ptxas {version.group(1)}" + (f", sm_{arch.group(1)}" if arch else "")
+
+
+def startup_environ() -> dict[str, str]:
+    """This process's environment as it started (Linux's /proc/self/environ): what a fresh process
+    started from the same shell sees, before Inductor set anything. The current one without /proc."""
+    try:
+        raw = Path("/proc/self/environ").read_bytes()
+    except OSError:
+        return dict(os.environ)
+    pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
+    return {key: value for key, _, value in pairs}
+
+
+def _tool_variables(env: dict[str, str]) -> dict[str, str]:
+    """The TRITON_*_PATH variables (ptxas, cuobjdump, libdevice...) of `env`: what names the tools
+    that build a kernel, and so enters its cache key."""
+    return {k: v for k, v in env.items() if k.startswith("TRITON_") and k.endswith("_PATH")}
+
+
+@contextmanager
+def as_fresh_process() -> Iterator[None]:
+    """Within: Triton's tool variables as this process started, and Triton's remembered ptxas
+    version forgotten, so kernels are built as a fresh `kiln serve` will look them up."""
+    now, started = _tool_variables(dict(os.environ)), _tool_variables(startup_environ())
+    _set_tool_variables(started)
+    try:
+        yield
+    finally:
+        _set_tool_variables(now)
+
+
+def _set_tool_variables(env: dict[str, str]) -> None:
+    for key in _tool_variables(dict(os.environ)).keys() - env.keys():
+        del os.environ[key]
+    os.environ.update(env)
+    try:
+        from triton.backends.nvidia import compiler
+    except ImportError:
+        return
+    remembered = getattr(compiler, "get_ptxas_version", None)  # Triton caches it for the process's life
+    if hasattr(remembered, "cache_clear"):
+        remembered.cache_clear()

@@ -96,12 +96,45 @@ def test_artifact_pins_and_installs_its_triton_kernels(packed, tmp_path, monkeyp
     assert artifact.install_triton_kernels(path, other) == 0  # another Triton's kernels: they compile at launch
     assert "built by triton 0.0.1" in caplog.text and not (tmp_path / "other-cache").exists()
 
+    # built with another ptxas (Inductor sets TRITON_PTXAS_PATH in a compiling process): a warning, no install
+    built, here = (f"Cuda compilation tools, release {v[:4]}, V{v}\n-90" for v in ("12.8.93", "13.0.88"))
+    other["triton_kernels"] |= {"triton": triton.__version__, "backend": built}
+    monkeypatch.setattr(triton_cache, "backend_key", lambda: here)
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/opt/torch/bin/ptxas")
+    assert artifact.install_triton_kernels(path, other) == 0 and not (tmp_path / "other-cache").exists()
+    assert ("built with ptxas 12.8.93, sm_90, this process has ptxas 13.0.88, sm_90" in caplog.text
+            and "TRITON_PTXAS_PATH is /opt/torch/bin/ptxas here" in caplog.text)
+    monkeypatch.setattr(triton_cache, "backend_key", lambda: built)
+    assert artifact.install_triton_kernels(path, other) == 1  # the same ptxas: installed
+
     (cubin,) = (path / artifact.TRITON_KERNELS).glob("*/*.cubin")
     data = bytearray(cubin.read_bytes())
     data[len(data) // 2] ^= 0xFF
     cubin.write_bytes(bytes(data))
     with pytest.raises(artifact.ArtifactError, match=r"artifact Triton kernel \S+\.cubin is corrupt"):
         artifact.verify(path)
+
+
+def test_the_warm_up_builds_with_the_ptxas_a_fresh_process_uses(tmp_path, monkeypatch):
+    """Inductor points TRITON_PTXAS_PATH at torch's ptxas in the compiling process; a serve process
+    never imports Inductor. The ptxas version is in each kernel's cache key, so the warm-up builds as
+    the process started, with Triton's remembered ptxas version forgotten, and puts both back after."""
+    from triton.backends.compiler import GPUTarget
+
+    ampere = GPUTarget("cuda", 80, 32)  # built with TRITON_PTXAS_PATH's ptxas (newer archs may use another)
+    fake = tmp_path / "ptxas"
+    fake.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 99.0, V99.0.1'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("TRITON_PTXAS_PATH", str(fake))
+    cache_dir = os.environ.get("TRITON_CACHE_DIR")
+    assert triton_cache.describe_backend(triton_cache.backend_key(ampere)) == "ptxas 99.0.1, sm_80"
+    with triton_cache.as_fresh_process():
+        assert os.environ.get("TRITON_PTXAS_PATH") == triton_cache.startup_environ().get("TRITON_PTXAS_PATH")
+        assert os.environ.get("TRITON_CACHE_DIR") == cache_dir  # where kernels go is not the key
+        assert "99.0.1" not in triton_cache.backend_key(ampere)
+    assert os.environ["TRITON_PTXAS_PATH"] == str(fake)
+    assert "V99.0.1" in triton_cache.backend_key(ampere)
+    assert triton_cache.describe_backend("gfx942-wave64\n") == "gfx942-wave64"  # no ptxas in it: as it is
 
 
 def test_watch_counts_compiles_not_cache_hits(packed, tmp_path, monkeypatch):
