@@ -148,7 +148,7 @@ llm = LLM(sys.argv[1], dtype=sys.argv[2], device=sys.argv[3], compile=True, cach
 ready = time.perf_counter() - start
 llm.generate(json.loads(sys.argv[5]), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
 print(json.dumps({"start_s": round(ready, 2), "kiln": dict(counters), "compiled": triton_cache.compiled_kernels,
-                  "backend": triton_cache.describe_backend(triton_cache.backend_key()) if sys.argv[3] != "cpu" else None,
+                  "backend": sys.argv[3] != "cpu" and triton_cache.describe_backend(triton_cache.backend_key()),
                   "triton_env": {k: v for k, v in os.environ.items() if k.startswith("TRITON_")},
                   "dynamo_frames": sum(torch._dynamo.utils.counters["frames"].values()),
                   "inductor_imported": "torch._inductor.compile_fx" in sys.modules}))
