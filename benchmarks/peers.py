@@ -1,11 +1,15 @@
 """kiln against what a user could run instead, side by side in one run on this machine.
 
     python benchmarks/peers.py [--vllm-python VENV/bin/python] [--threads 2] [--out peers.json]
-                               [--chart peers.png] [--work DIR] [--systems hf,kiln-eager,...]
+                               [--chart peers.png] [--work DIR] [--systems hf,kiln-eager,...] [--rounds 3]
 
 The model is Qwen2.5-0.5B's shape with random fp32 weights, built here (tied embeddings really tied,
 as in the real checkpoint). The workload is the same for every system: 16 prompts of 32 token ids,
-greedy, 64 new tokens each, end-of-sequence ignored. Each system runs in a fresh process:
+greedy, 64 new tokens each, end-of-sequence ignored. Each system runs in a fresh process, once per
+round; a round runs every system, each round in another order (rotated). The table holds each
+figure's median over the rounds, and each ratio is the median of the rounds' ratios, so that a system
+is compared with what ran minutes beside it: this machine's memory bandwidth, which sets decode
+speed, swings by half from one minute to the next.
 
   start_s             process start to ready to generate (kiln's artifacts are compiled first, not
                       in this time: `compile_s`; vLLM is started once before, so its cache is warm)
@@ -62,28 +66,23 @@ def _report(**fields) -> None:
 
 
 def _measure(generate) -> dict:
-    """The workload, on `generate(prompts, max_tokens) -> token id lists`."""
+    """The workload once, on `generate(prompts, max_tokens) -> token id lists`."""
     ps = prompts()
     generate(ps[:2], 2)  # warm-up: first-call costs
-    timings = {}
-    for _ in range(2):  # the better of two: the machine is shared
-        start = time.perf_counter()
-        generate(ps, 1)
-        prefill = time.perf_counter() - start
-        start = time.perf_counter()
-        outputs = generate(ps, NEW_TOKENS)
-        full = time.perf_counter() - start
-        start = time.perf_counter()
-        generate(ps[:1], 1)
-        one = time.perf_counter() - start
-        start = time.perf_counter()
-        generate(ps[:1], NEW_TOKENS)
-        single = time.perf_counter() - start
-        sample = {"prefill_s": prefill, "batch16_tok_s": PROMPTS * (NEW_TOKENS - 1) / (full - prefill),
-                  "batch1_ms_per_token": (single - one) / (NEW_TOKENS - 1) * 1e3}
-        for key, value in sample.items():
-            better = min if key != "batch16_tok_s" else max
-            timings[key] = better(timings.get(key, value), value)
+    start = time.perf_counter()
+    generate(ps, 1)
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    outputs = generate(ps, NEW_TOKENS)
+    full = time.perf_counter() - start
+    start = time.perf_counter()
+    generate(ps[:1], 1)
+    one = time.perf_counter() - start
+    start = time.perf_counter()
+    generate(ps[:1], NEW_TOKENS)
+    single = time.perf_counter() - start
+    timings = {"prefill_s": prefill, "batch16_tok_s": PROMPTS * (NEW_TOKENS - 1) / (full - prefill),
+               "batch1_ms_per_token": (single - one) / (NEW_TOKENS - 1) * 1e3}
     return {**{k: round(v, 4) for k, v in timings.items()}, "tokens": [o[:16] for o in outputs]}
 
 
@@ -180,19 +179,39 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return round(sum(x == y for x, y in pairs) / len(pairs), 4)
 
 
-def ratios(results: dict) -> dict:
-    """Each system's figures over each reference's: < 1 is better for times, > 1 for tokens/s."""
+FIGURES = {"start": "start_s", "batch1_ms_per_token": "batch1_ms_per_token", "batch16_tok_s": "batch16_tok_s",
+           "prefill": "prefill_s"}
+
+
+def rotated(systems: list[str], round_index: int) -> list[str]:
+    """The order of one round: each round starts one system later, so none always runs first or last."""
+    k = round_index % len(systems)
+    return systems[k:] + systems[:k]
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def summary(rounds: list[dict]) -> dict:
+    """Each system's figures, the median over the rounds."""
+    return {name: {key: round(median([r[name][key] for r in rounds]), 4) for key in rounds[0][name]
+                   if key != "tokens"} for name in rounds[0]}
+
+
+def ratios(rounds: list[dict]) -> dict:
+    """Each system's figures over each reference's, taken within each round, then the median over the
+    rounds: < 1 is better for times, > 1 for tokens/s."""
     out = {}
     for ref in ("vllm", "hf", "kiln-eager"):
-        if ref not in results:
+        if ref not in rounds[0]:
             continue
-        r = results[ref]
         out[f"vs_{ref}"] = {
-            name: {"start": round(s["start_s"] / r["start_s"], 3),
-                   "batch1_ms_per_token": round(s["batch1_ms_per_token"] / r["batch1_ms_per_token"], 3),
-                   "batch16_tok_s": round(s["batch16_tok_s"] / r["batch16_tok_s"], 3),
-                   "prefill": round(s["prefill_s"] / r["prefill_s"], 3)}
-            for name, s in results.items() if name != ref
+            name: {label: round(median([r[name][key] / r[ref][key] for r in rounds]), 3)
+                   for label, key in FIGURES.items()}
+            for name in rounds[0] if name != ref
         }
     return out
 
@@ -213,7 +232,8 @@ def chart(results: dict, path: Path) -> None:
         ax.bar_label(bars, fmt="%.3g", fontsize=8)
         ax.set_title(title, fontsize=10)
         ax.tick_params(axis="x", rotation=45, labelsize=8)
-    fig.suptitle("Qwen2.5-0.5B shape, fp32 random weights, 16 x 32-token prompts, 64 greedy tokens", fontsize=10)
+    fig.suptitle("Qwen2.5-0.5B shape, fp32 random weights, 16 x 32-token prompts, 64 greedy tokens (medians)",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -228,7 +248,10 @@ def main() -> None:
     parser.add_argument("--work", type=Path, help="keep the model and artifacts here (default: a temporary dir)")
     parser.add_argument("--out", type=Path, default=Path("peers.json"), help="JSON results (default peers.json)")
     parser.add_argument("--chart", type=Path, default=Path("peers.png"), help="bar chart (default peers.png)")
+    parser.add_argument("--rounds", type=int, default=3, help="times each system runs, in rotated order (default 3)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     systems = [s for s in args.systems.split(",") if s]
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
@@ -240,27 +263,32 @@ def main() -> None:
         work = args.work or Path(tmp)
         model_dir = write_model(work / "qwen2.5-0.5b-shape")
         cache = work / "cache"
-        results, compiled = {}, {}
-        for system in systems:
-            if system in COMPILED:
-                compiled[system] = compile_artifact(system, model_dir, cache, args.threads)
-            if system == "vllm":  # a first start fills vLLM's compile cache: the table's "warm cache"
-                run_child(system, model_dir, args.threads, cache, args.vllm_python)
-            python = args.vllm_python if system == "vllm" else sys.executable
-            results[system] = run_child(system, model_dir, args.threads, cache, python)
-            if system in compiled:
-                results[system]["compile_s"] = compiled[system]
-            print(system, {k: v for k, v in results[system].items() if k != "tokens"}, file=sys.stderr, flush=True)
+        compiled = {s: compile_artifact(s, model_dir, cache, args.threads) for s in systems if s in COMPILED}
+        if "vllm" in systems:  # a first start fills vLLM's compile cache: the table's "warm cache"
+            run_child("vllm", model_dir, args.threads, cache, args.vllm_python)
+        rounds = []
+        for i in range(args.rounds):
+            measured = {}
+            for system in rotated(systems, i):
+                python = args.vllm_python if system == "vllm" else sys.executable
+                measured[system] = run_child(system, model_dir, args.threads, cache, python)
+                print(f"round {i + 1}", system, {k: v for k, v in measured[system].items() if k != "tokens"},
+                      file=sys.stderr, flush=True)
+            rounds.append({s: measured[s] for s in systems})
+    results = summary(rounds)
+    for system, seconds in compiled.items():
+        results[system]["compile_s"] = seconds
+    tokens = {name: sample["tokens"] for name, sample in rounds[0].items()}
     greedy = {}
     for ref in ("kiln-eager", "hf"):
-        if ref in results:
-            greedy[f"vs_{ref}"] = {n: agreement(r["tokens"], results[ref]["tokens"])
-                                   for n, r in results.items() if n != ref}
+        if ref in tokens:
+            greedy[f"vs_{ref}"] = {n: agreement(t, tokens[ref]) for n, t in tokens.items() if n != ref}
     report = {"machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads,
                           "cpu_flags": _cpu_flags()},
-              "workload": {"prompts": PROMPTS, "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS},
-              "results": {n: {k: v for k, v in r.items() if k != "tokens"} for n, r in results.items()},
-              "ratios": ratios(results), "greedy_agreement": greedy}
+              "workload": {"prompts": PROMPTS, "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS,
+                           "rounds": args.rounds},
+              "results": results, "ratios": ratios(rounds), "greedy_agreement": greedy,
+              "rounds": [{n: {k: v for k, v in r.items() if k != "tokens"} for n, r in rnd.items()} for rnd in rounds]}
     text = json.dumps(report, indent=2)
     print(text)
     args.out.write_text(text + "\n")

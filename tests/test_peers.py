@@ -1,0 +1,35 @@
+"""benchmarks/peers.py's bookkeeping: rounds in rotated order, medians, and ratios paired within a
+round (this machine's memory bandwidth moves by half between minutes, so a system is compared with
+what ran beside it)."""
+
+import importlib.util
+from pathlib import Path
+
+spec = importlib.util.spec_from_file_location("peers", Path(__file__).resolve().parents[1] / "benchmarks" / "peers.py")
+peers = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(peers)
+
+
+def _sample(ms: float, tok_s: float = 100.0, prefill: float = 1.0, start: float = 3.0) -> dict:
+    return {"start_s": start, "prefill_s": prefill, "batch16_tok_s": tok_s, "batch1_ms_per_token": ms, "tokens": []}
+
+
+def test_each_round_starts_one_system_later():
+    systems = ["a", "b", "c"]
+    assert [peers.rotated(systems, i) for i in range(4)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
+                                                             ["a", "b", "c"]]
+
+
+def test_ratios_are_paired_within_rounds_then_the_median():
+    # the machine is twice as fast in round 2: kiln is 0.5x vllm in every round, whatever the phase
+    rounds = [{"kiln": _sample(10.0), "vllm": _sample(20.0)},
+              {"kiln": _sample(5.0), "vllm": _sample(10.0)},
+              {"kiln": _sample(12.0), "vllm": _sample(20.0)}]
+    assert peers.ratios(rounds)["vs_vllm"]["kiln"]["batch1_ms_per_token"] == 0.5
+    # the table's figures: each one's median over the rounds
+    assert peers.summary(rounds)["kiln"]["batch1_ms_per_token"] == 10.0
+    assert peers.summary(rounds)["vllm"]["batch1_ms_per_token"] == 20.0
+
+
+def test_median_of_an_even_count_is_the_middle_pair_mean():
+    assert peers.median([4.0, 1.0, 3.0, 2.0]) == 2.5 and peers.median([7.0]) == 7.0
