@@ -246,6 +246,11 @@ def install_triton_kernels(path: Path, manifest: dict) -> int:
                        triton.__version__)
         return 0
     if kernels.get("backend") is not None and (here := triton_cache.backend_key()) != kernels["backend"]:
+        if triton_cache.tools_changed_since_start():  # a compiling process: Inductor moved TRITON_PTXAS_PATH
+            logger.info("Triton kernels: the artifact's were built with %s as a fresh process will run them; this "
+                        "process now has %s", triton_cache.describe_backend(kernels["backend"]),
+                        triton_cache.describe_backend(here))
+            return 0
         ptxas = os.environ.get("TRITON_PTXAS_PATH")
         fix = (f"TRITON_PTXAS_PATH is {ptxas} here: unset it, or point it at the ptxas `kiln compile` used"
                if ptxas else "run `kiln compile --force` in this environment to ship kernels for it")

@@ -207,6 +207,13 @@ def as_fresh_process() -> Iterator[None]:
         _set_tool_variables(now)
 
 
+def tools_changed_since_start() -> bool:
+    """Whether this process has changed Triton's tool variables since it started (Inductor does, in
+    a process that compiles): then kernels it built before (as a fresh process would) are already
+    in memory, and a lookup under its current ptxas says nothing about a fresh serve."""
+    return _tool_variables(dict(os.environ)) != _tool_variables(startup_environ())
+
+
 def _set_tool_variables(env: dict[str, str]) -> None:
     for key in _tool_variables(dict(os.environ)).keys() - env.keys():
         del os.environ[key]

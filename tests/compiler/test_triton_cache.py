@@ -101,9 +101,13 @@ def test_artifact_pins_and_installs_its_triton_kernels(packed, tmp_path, monkeyp
     other["triton_kernels"] |= {"triton": triton.__version__, "backend": built}
     monkeypatch.setattr(triton_cache, "backend_key", lambda: here)
     monkeypatch.setenv("TRITON_PTXAS_PATH", "/opt/torch/bin/ptxas")
+    monkeypatch.setattr(triton_cache, "tools_changed_since_start", lambda: False)  # the user's shell set it
     assert artifact.install_triton_kernels(path, other) == 0 and not (tmp_path / "other-cache").exists()
     assert ("built with ptxas 12.8.93, sm_90, this process has ptxas 13.0.88, sm_90" in caplog.text
             and "TRITON_PTXAS_PATH is /opt/torch/bin/ptxas here" in caplog.text)
+    caplog.clear()
+    monkeypatch.setattr(triton_cache, "tools_changed_since_start", lambda: True)  # as in a compiling process
+    assert artifact.install_triton_kernels(path, other) == 0 and "Triton kernels were built" not in caplog.text
     monkeypatch.setattr(triton_cache, "backend_key", lambda: built)
     assert artifact.install_triton_kernels(path, other) == 1  # the same ptxas: installed
 
@@ -133,6 +137,7 @@ def test_the_warm_up_builds_with_the_ptxas_a_fresh_process_uses(tmp_path, monkey
         assert os.environ.get("TRITON_CACHE_DIR") == cache_dir  # where kernels go is not the key
         assert "99.0.1" not in triton_cache.backend_key(ampere)
     assert os.environ["TRITON_PTXAS_PATH"] == str(fake)
+    assert triton_cache.tools_changed_since_start()  # set after this process started (by the test, here)
     assert "V99.0.1" in triton_cache.backend_key(ampere)
     assert triton_cache.describe_backend("gfx942-wave64\n") == "gfx942-wave64"  # no ptxas in it: as it is
 
