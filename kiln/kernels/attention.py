@@ -109,6 +109,21 @@ def _plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: t
     return plan
 
 
+_last_decodes: list[tuple[int, torch.Tensor, bool] | None] = [None]
+
+
+def _all_decodes(query_start_loc: torch.Tensor, tokens: int) -> bool:
+    """Whether every sequence of the batch has one query token: found once per `one_batch`, then by
+    the tensor's identity, without the plan, whose masks and block gathers the library needs none of."""
+    cached = _last_decodes[0]
+    if _batch[0] and cached is not None and cached[0] == _batch[0] and cached[1] is query_start_loc:
+        return cached[2]
+    answer = query_start_loc.shape[0] == tokens + 1 and torch.equal(
+        query_start_loc, torch.arange(tokens + 1, dtype=query_start_loc.dtype, device=query_start_loc.device))
+    _last_decodes[0] = (_batch[0], query_start_loc, answer)
+    return answer
+
+
 @functools.lru_cache(maxsize=8)
 def _decode_params(scale: float, sliding_window: int) -> torch.Tensor:
     """The decode library's `params` tensor, made once per layer shape, not per call."""
@@ -170,12 +185,13 @@ def attention_native(
     rows, so no KV head is repeated), the prefills as one SDPA per shape (sequences of equal query and
     context lengths, the usual batched prompts, together). A batch of only decodes in fp32 runs on
     `decode` where given: the decode attention library (`kiln.kernels.decode_attention`)."""
+    if decode is not None and query.dtype == kv_cache.dtype == torch.float32 \
+            and block_tables.dtype == seq_lens.dtype == torch.int32 and query.is_contiguous() \
+            and kv_cache.is_contiguous() and block_tables.is_contiguous() and seq_lens.is_contiguous() \
+            and _all_decodes(query_start_loc, query.shape[0]):  # what the kernel reads, as it reads it
+        return decode(query, kv_cache, block_tables, seq_lens, _decode_params(scale, sliding_window))[0]
     window = sliding_window if sliding_window > 0 else None
     plan = _plan(query_start_loc, seq_lens, block_tables, kv_cache.shape[2], window, query.dtype)
-    args = (query, kv_cache, block_tables, seq_lens)
-    if decode is not None and plan.decode_all and query.dtype == kv_cache.dtype == torch.float32 \
-            and block_tables.dtype == seq_lens.dtype == torch.int32 and all(t.is_contiguous() for t in args):
-        return decode(*args, _decode_params(scale, sliding_window))[0]  # what the kernel reads, as it reads it
     hq, d = query.shape[1], query.shape[2]
     hkv = kv_cache.shape[3]
     if plan.decode_rows is not None:

@@ -1,6 +1,8 @@
 """The decode attention kernel, as its library runs it, against the op's reference (torch's SDPA over
 the gathered cache), and the attention call's choice of it."""
 
+import sys
+
 import pytest
 import torch
 
@@ -73,6 +75,22 @@ def test_attention_runs_the_library_for_decodes_only(library):
     out = attention_native(strided, cache, starts, lens, tables, 0.25, 0, decode=counted)
     torch.testing.assert_close(out, attention_native(query, cache, starts, lens, tables, 0.25, 0))
     assert calls == [3]
+
+
+def test_a_batch_of_decodes_skips_the_plan(library, monkeypatch):
+    """The library needs none of the plan's masks and gathers: a batch of decodes is told by its
+    query offsets alone, once per compiled forward, and a sequence with no query token is not taken
+    for a decode."""
+    attention = sys.modules["kiln.kernels.attention"]
+    monkeypatch.setattr(attention, "_plan", lambda *args: pytest.fail("planned a batch of decodes"))
+    query, cache, tables, lens = _case(3, 4, 2, 16, 4, 16, 4)
+    starts = torch.arange(4, dtype=torch.int32)
+    with attention.one_batch():
+        for _ in range(2):  # the second layer finds the answer by the offsets' identity
+            out = attention_native(query, cache, starts, lens, tables, 0.25, 0, decode=library)
+    torch.testing.assert_close(out, library(query, cache, tables, lens, decode_attention.params(0.25, 0))[0])
+    assert attention._all_decodes(starts, 3) and not attention._all_decodes(starts, 2)
+    assert not attention._all_decodes(torch.tensor([0, 0, 2, 3], dtype=torch.int32), 3)  # 0, 2 and 1 tokens
 
 
 def test_library_is_shipped_only_where_it_lowers(monkeypatch):
