@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 16, 32, 64
 SYSTEMS = ("hf", "kiln-eager", "kiln-fp32", "kiln-int8", "kiln-w7a8", "vllm")
@@ -188,12 +189,6 @@ def rotated(systems: list[str], round_index: int) -> list[str]:
     """The order of one round: each round starts one system later, so none always runs first or last."""
     k = round_index % len(systems)
     return systems[k:] + systems[:k]
-
-
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def summary(rounds: list[dict]) -> dict:

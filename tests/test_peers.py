@@ -29,7 +29,3 @@ def test_ratios_are_paired_within_rounds_then_the_median():
     # the table's figures: each one's median over the rounds
     assert peers.summary(rounds)["kiln"]["batch1_ms_per_token"] == 10.0
     assert peers.summary(rounds)["vllm"]["batch1_ms_per_token"] == 20.0
-
-
-def test_median_of_an_even_count_is_the_middle_pair_mean():
-    assert peers.median([4.0, 1.0, 3.0, 2.0]) == 2.5 and peers.median([7.0]) == 7.0
