@@ -20,7 +20,7 @@ from kiln.compiler.cudagraph import GraphedPiece, default_capture_sizes, pad_tok
 from kiln.errors import KilnError
 from kiln.kernels import AttentionMetadata, packed_linear
 from kiln.kernels.attention import one_batch
-from kiln.models.lm_head import PackedHead
+from kiln.models.lm_head import Int8Head, PackedHead
 
 logger = logging.getLogger(__name__)
 
@@ -164,10 +164,17 @@ def pack_lm_head(model: nn.Module, choice: dict | None, libraries: dict[str, Cal
                  ) -> PackedHead | None:
     """The model's LM head as an artifact's manifest chose it (its "lm_head" entry: a packed format,
     the greedy screen's kernel), on the panel GEMM `libraries` (format -> the loaded library) it
-    ships; None for no format, or when the model has an int8 head of its own."""
-    if choice is None or choice.get("format") is None or getattr(model, "lm_head_kernel", None) is not None:
-        return None
+    ships; None for no format, or when the model has an int8 head of its own (which then runs on the
+    int8 panel GEMM where the artifact ships it)."""
     libraries = libraries or {}
+    int8_head = getattr(model, "lm_head_kernel", None)
+    if isinstance(int8_head, Int8Head) and libraries.get("panels16_int8") is not None:
+        start = time.perf_counter()
+        if int8_head.run_on_panels(model.lm_head_weight(), _head_gemm(libraries["panels16_int8"])):
+            logger.info("the int8 LM head runs on the artifact's int8 panel GEMM (packed in %.2fs)",
+                        time.perf_counter() - start)
+    if choice is None or choice.get("format") is None or int8_head is not None:
+        return None
     start = time.perf_counter()
     head = PackedHead(model.lm_head_weight(), choice["format"], gemm=_head_gemm(libraries.get(choice["format"])),
                       screen_gemm=_head_gemm(libraries.get(choice.get("screen"))))

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kiln import LLM, KilnError, SamplingParams
-from kiln.kernels import packed_linear, panel_linear
+from kiln.compiler import artifact
+from kiln.kernels import packed_linear, panel_linear, quantize_weight
 from kiln.models.lm_head import GreedyScreen, Int8Head, PackedHead
 from tests.oracle import PROMPTS
 
@@ -30,8 +31,11 @@ def test_compiled_program_keeps_the_int8_head(demo_dirs, kiln_cache):
     llm = LLM(demo_dirs["llama"], compile=True, cache_dir=kiln_cache, lm_head_quantization="int8")
     eager = LLM(demo_dirs["llama"], lm_head_quantization="int8")
     hidden = torch.randn(3, llm.model_config.hidden_size)
-    # the artifact may ask for a packed fp32 head; the int8 head asked for wins
+    # the artifact may ask for a packed fp32 head; the int8 head asked for wins, on the artifact's int8
+    # panel GEMM where it ships one: the same integer sums, the same logits
     torch.testing.assert_close(llm.engine.runner.compute_logits(hidden), eager.model.compute_logits(hidden))
+    shipped = "panels16_int8" in artifact.lm_head_libraries(artifact.read_manifest(llm.artifact_path))
+    assert (llm.model.lm_head_kernel.kernel == "panels16_int8") == shipped
 
 
 def test_unknown_head_quantization_is_refused(demo_dirs):
@@ -129,6 +133,22 @@ def test_head_on_the_panel_gemm_gives_the_logits():
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.skipif(panel_linear.available((64, 64), torch.int8) is not None, reason="no int8 panel GEMM on this CPU")
+def test_int8_head_moves_onto_the_panel_gemm():
+    """The artifact's int8 panel GEMM runs an int8 head with the same integer sums as its own GEMM:
+    the same logits. A head of rows that fill no panels stays as it was."""
+    weight, hidden = near_tied_head()
+    head, own = Int8Head(weight), Int8Head(weight)
+    assert head.run_on_panels(weight, panel_gemm("panels16_int8")) and head.kernel == "panels16_int8"
+    assert torch.equal(panel_linear.unpack_int8(head.codes), quantize_weight(weight, torch.int8)[0])
+    torch.testing.assert_close(head(hidden), own(hidden), rtol=1e-6, atol=1e-6)
+    assert torch.equal(head(hidden).argmax(-1), own(hidden).argmax(-1))
+    odd = Int8Head(weight[:1000])
+    kernel, codes = odd.kernel, odd.codes
+    assert not odd.run_on_panels(weight[:1000], panel_gemm("panels16_int8"))
+    assert odd.kernel == kernel and odd.codes is codes
+
+
 def test_greedy_screen_gives_up_where_it_cannot_tell():
     weight, hidden = near_tied_head()
     head = PackedHead(weight, screen=True)
