@@ -143,6 +143,15 @@ def test_int8_head_moves_onto_the_panel_gemm():
     assert torch.equal(panel_linear.unpack_int8(head.codes), quantize_weight(weight, torch.int8)[0])
     torch.testing.assert_close(head(hidden), own(hidden), rtol=1e-6, atol=1e-6)
     assert torch.equal(head(hidden).argmax(-1), own(hidden).argmax(-1))
+    # loading an artifact that ships the library moves the model's int8 head onto it
+    from kiln.compiler.program import pack_lm_head
+
+    model = torch.nn.Module()
+    model.lm_head_kernel, model.lm_head_weight = Int8Head(weight), lambda: weight
+    gemm = panel_gemm("panels16_int8")
+    assert pack_lm_head(model, {"format": "panels16"}, {"panels16_int8": lambda x, w: [gemm(x, w)]}) is None
+    assert model.lm_head_kernel.kernel == "panels16_int8"
+    torch.testing.assert_close(model.lm_head_kernel(hidden), own(hidden), rtol=1e-6, atol=1e-6)
     odd = Int8Head(weight[:1000])
     kernel, codes = odd.kernel, odd.codes
     assert not odd.run_on_panels(weight[:1000], panel_gemm("panels16_int8"))
