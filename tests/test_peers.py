@@ -21,11 +21,12 @@ def test_each_round_starts_one_system_later():
 
 
 def test_ratios_are_paired_within_rounds_then_the_median():
-    # the machine is twice as fast in round 2: kiln is 0.5x vllm in every round, whatever the phase
-    rounds = [{"kiln": _sample(10.0), "vllm": _sample(20.0)},
-              {"kiln": _sample(5.0), "vllm": _sample(10.0)},
-              {"kiln": _sample(12.0), "vllm": _sample(20.0)}]
+    # kiln is 0.5x vllm in the fast and the slow round; in the third vllm hit a slow minute alone. The
+    # paired ratio stays 0.5, where the ratio of the medians (8 / 24) would claim 0.33
+    rounds = [{"kiln": _sample(5.0), "vllm": _sample(10.0)},
+              {"kiln": _sample(12.0), "vllm": _sample(24.0)},
+              {"kiln": _sample(8.0), "vllm": _sample(30.0)}]
     assert peers.ratios(rounds)["vs_vllm"]["kiln"]["batch1_ms_per_token"] == 0.5
     # the table's figures: each one's median over the rounds
-    assert peers.summary(rounds)["kiln"]["batch1_ms_per_token"] == 10.0
-    assert peers.summary(rounds)["vllm"]["batch1_ms_per_token"] == 20.0
+    assert peers.summary(rounds)["kiln"]["batch1_ms_per_token"] == 8.0
+    assert peers.summary(rounds)["vllm"]["batch1_ms_per_token"] == 24.0
