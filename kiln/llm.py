@@ -94,7 +94,8 @@ class LLM:
         if quantization:
             quantize_model(self.model, quantization)
         if lm_head_quantization is not None:
-            quantize_lm_head(self.model, lm_head_quantization)
+            # an artifact's load packs the head for the GEMM it ships
+            quantize_lm_head(self.model, lm_head_quantization, pack=not (artifact or compile or require_artifact))
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         forward = None
         self.artifact_path: Path | None = None

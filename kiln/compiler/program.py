@@ -168,11 +168,11 @@ def pack_lm_head(model: nn.Module, choice: dict | None, libraries: dict[str, Cal
     int8 panel GEMM where the artifact ships it)."""
     libraries = libraries or {}
     int8_head = getattr(model, "lm_head_kernel", None)
-    if isinstance(int8_head, Int8Head) and libraries.get("panels16_int8") is not None:
-        start = time.perf_counter()
-        if int8_head.run_on_panels(model.lm_head_weight(), _head_gemm(libraries["panels16_int8"])):
-            logger.info("the int8 LM head runs on the artifact's int8 panel GEMM (packed in %.2fs)",
-                        time.perf_counter() - start)
+    if isinstance(int8_head, Int8Head):
+        panels = libraries.get("panels16_int8")
+        if panels is not None and int8_head.run_on_panels(_head_gemm(panels)):
+            logger.info("the int8 LM head runs on the artifact's int8 panel GEMM")
+        int8_head.pack()
     if choice is None or choice.get("format") is None or int8_head is not None:
         return None
     start = time.perf_counter()

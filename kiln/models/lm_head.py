@@ -270,32 +270,43 @@ class Int8Head:
     fbgemm's (split rows for 8-bit codes, whole ones for 7-bit codes: `weight_max` 63); elsewhere
     torch._int_mm runs it."""
 
-    def __init__(self, weight: torch.Tensor, weight_max: float | None = None):
-        codes, self.scale = quantize_weight(weight.detach(), torch.int8, weight_max)
-        self.weight_max, self.gemm = weight_max, None
+    def __init__(self, weight: torch.Tensor, weight_max: float | None = None, pack: bool = True):
+        """`pack` False: keep the plain codes until `pack` or `run_on_panels` (an artifact's load decides
+        which), so that loading one quantizes and packs the head once."""
+        self.codes, self.scale = quantize_weight(weight.detach(), torch.int8, weight_max)
+        self.gemm, self.packed = None, False
         self.kernel = None
-        if codes.device.type == "cpu":
+        if self.codes.device.type == "cpu":
             self.kernel = int8_kernel(seven_bit=weight_max is not None and weight_max <= packed_linear.W7A8_MAX)
+        if pack:
+            self.pack()
+
+    def pack(self) -> None:
+        """Pack the codes for the kernel chosen at build (once; a head that runs on panels is packed)."""
+        if self.packed:
+            return
+        codes, self.packed = self.codes, True
         if self.kernel in _FBGEMM:
             count = -(-codes.shape[0] // FBGEMM_PACK_ROWS)
             blocks = codes.split(-(-codes.shape[0] // count))
             with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # packing a block uses one thread
                 self.codes = list(pool.map(functools.partial(packed_linear.pack, self.kernel), blocks))
-        else:
-            self.codes = packed_linear.pack(self.kernel, codes) if self.kernel else codes
+        elif self.kernel:
+            self.codes = packed_linear.pack(self.kernel, codes)
 
-    def run_on_panels(self, weight: torch.Tensor, gemm: HeadGemm) -> bool:
+    def run_on_panels(self, gemm: HeadGemm) -> bool:
         """Run on an artifact's int8 panel GEMM (`gemm`, "panels16_int8"), which streams the head faster
-        than oneDNN's int8 GEMM on one row: the codes are quantized again from `weight` (the head's
-        fp32 weight) and packed in panels. False, and nothing changed, where the shape has no panels."""
-        if weight.device.type != "cpu" or weight.shape[0] % panel_linear.PANEL or weight.shape[1] % 4:
+        than oneDNN's int8 GEMM on one row: the plain codes packed in panels. False, and nothing
+        changed, where the head is packed already or its shape has no panels."""
+        if self.packed or self.codes.device.type != "cpu" or self.codes.shape[0] % panel_linear.PANEL \
+                or self.codes.shape[1] % 4:
             return False
-        self.codes = None  # the oneDNN copy goes before the panel copy is made: one copy at a time
-        codes, self.scale = quantize_weight(weight.detach(), torch.int8, self.weight_max)
-        self.codes, self.kernel, self.gemm = panel_linear.pack_int8(codes), "panels16_int8", gemm
+        self.codes, self.kernel, self.gemm = panel_linear.pack_int8(self.codes), "panels16_int8", gemm
+        self.packed = True
         return True
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.pack()
         a, a_scale = ops.quant_int8(hidden, None)
         if self.kernel == "panels16_int8":
             return self.gemm(a, self.codes).mul_(self.scale).mul_(a_scale)
@@ -309,12 +320,12 @@ class Int8Head:
         return ops.scaled_mm(a, self.codes, a_scale, self.scale, torch.float32, None)
 
 
-def quantize_lm_head(model, scheme: str) -> None:
+def quantize_lm_head(model, scheme: str, pack: bool = True) -> None:
     """Give `model` (a CausalLM with its weights loaded) an int8 LM head ("int8", or "w7a8": 7-bit
-    weight codes), in place."""
+    weight codes), in place; `pack` False leaves packing to the artifact's load (`Int8Head`)."""
     if scheme not in LM_HEAD_QUANTIZATIONS:
         raise KilnError(f"unknown LM head quantization {scheme!r}; choose from {', '.join(LM_HEAD_QUANTIZATIONS)}")
     weight = model.lm_head_weight()
-    model.lm_head_kernel = Int8Head(weight, SCHEMES[scheme].weight_max)
+    model.lm_head_kernel = Int8Head(weight, SCHEMES[scheme].weight_max, pack=pack)
     logger.info("LM head quantized to %s (%d x %d): %.0f MB instead of %.0f MB", scheme, *weight.shape,
                 weight.numel() / 1e6, weight.numel() * weight.element_size() / 1e6)

@@ -136,26 +136,28 @@ def test_head_on_the_panel_gemm_gives_the_logits():
 @pytest.mark.skipif(panel_linear.available((64, 64), torch.int8) is not None, reason="no int8 panel GEMM on this CPU")
 def test_int8_head_moves_onto_the_panel_gemm():
     """The artifact's int8 panel GEMM runs an int8 head with the same integer sums as its own GEMM:
-    the same logits. A head of rows that fill no panels stays as it was."""
+    the same logits, from codes quantized once. A head of rows that fill no panels stays as it was."""
     weight, hidden = near_tied_head()
-    head, own = Int8Head(weight), Int8Head(weight)
-    assert head.run_on_panels(weight, panel_gemm("panels16_int8")) and head.kernel == "panels16_int8"
+    head, own = Int8Head(weight, pack=False), Int8Head(weight)
+    assert head.run_on_panels(panel_gemm("panels16_int8")) and head.kernel == "panels16_int8"
     assert torch.equal(panel_linear.unpack_int8(head.codes), quantize_weight(weight, torch.int8)[0])
     torch.testing.assert_close(head(hidden), own(hidden), rtol=1e-6, atol=1e-6)
     assert torch.equal(head(hidden).argmax(-1), own(hidden).argmax(-1))
-    # loading an artifact that ships the library moves the model's int8 head onto it
+    assert not own.run_on_panels(panel_gemm("panels16_int8")) and own.kernel != "panels16_int8"  # packed already
+    # loading an artifact that ships the library moves the model's int8 head onto it, else packs it as usual
     from kiln.compiler.program import pack_lm_head
 
-    model = torch.nn.Module()
-    model.lm_head_kernel, model.lm_head_weight = Int8Head(weight), lambda: weight
     gemm = panel_gemm("panels16_int8")
-    assert pack_lm_head(model, {"format": "panels16"}, {"panels16_int8": lambda x, w: [gemm(x, w)]}) is None
-    assert model.lm_head_kernel.kernel == "panels16_int8"
-    torch.testing.assert_close(model.lm_head_kernel(hidden), own(hidden), rtol=1e-6, atol=1e-6)
-    odd = Int8Head(weight[:1000])
+    for libraries, kernel in (({"panels16_int8": lambda x, w: [gemm(x, w)]}, "panels16_int8"), ({}, own.kernel)):
+        model = torch.nn.Module()
+        model.lm_head_kernel, model.lm_head_weight = Int8Head(weight, pack=False), lambda: weight
+        assert pack_lm_head(model, {"format": "panels16"}, libraries) is None
+        assert model.lm_head_kernel.packed and model.lm_head_kernel.kernel == kernel
+        torch.testing.assert_close(model.lm_head_kernel(hidden), own(hidden), rtol=1e-6, atol=1e-6)
+    odd = Int8Head(weight[:1000], pack=False)
     kernel, codes = odd.kernel, odd.codes
-    assert not odd.run_on_panels(weight[:1000], panel_gemm("panels16_int8"))
-    assert odd.kernel == kernel and odd.codes is codes
+    assert not odd.run_on_panels(panel_gemm("panels16_int8"))
+    assert odd.kernel == kernel and odd.codes is codes and not odd.packed
 
 
 def test_greedy_screen_gives_up_where_it_cannot_tell():
