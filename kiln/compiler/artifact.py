@@ -43,7 +43,7 @@ from kiln.compiler.program import (RELEASED, ByTokenCount, CompiledProgram, Grap
                                    load_program, pack_lm_head, pack_weights)
 from kiln.config import dtype_name
 from kiln.errors import KilnError
-from kiln.kernels import decode_attention
+from kiln.kernels import decode_attention, greedy_screen
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +136,8 @@ def save(
     `kernel_choices` (the lowering's measured decisions, CUDA) and `pieces`: piece name -> an object
     with `compiled` ({size or None: CompiledLibrary}), `tokens`, `returns_tuple` and `tensor_args`.
     `head_libraries` maps a weight format to the LM head's library of its GEMM (`head_library`),
-    listed under info's "lm_head"; `libraries` maps a name to a library the program calls between its
-    pieces (`attention_library`), listed as the manifest's "libraries". `debug` maps a relative path
+    listed under info's "lm_head"; `libraries` maps a name to a library the runtime calls outside the
+    pieces (`kernel_library`), listed as the manifest's "libraries". `debug` maps a relative path
     under debug/ -> text; each library's C++ is added under debug/inductor/.
     """
     path = Path(path)
@@ -423,9 +423,11 @@ def load(path: Path, model: nn.Module, release_weights: bool = False) -> Compile
         program = path / PROGRAMS / f"{i}.py"
         forwards.append(load_program(program.read_text(), str(program), pieces, decode_kernel))
     head_gemms = {format: library(entry, HEAD_TENSOR_ARGS) for format, entry in lm_head_libraries(manifest).items()}
+    screen = manifest.get("libraries", {}).get(greedy_screen.LIBRARY)
+    screen_kernel = library(screen, greedy_screen.LIBRARY_ARGS) if screen is not None else None
     # packing last: everything that can fail has loaded, so no weight is released for a failed load
     with ThreadPoolExecutor(1) as pool:  # the LM head packs beside the projections
-        head = pool.submit(pack_lm_head, model, manifest.get("lm_head"), head_gemms)
+        head = pool.submit(pack_lm_head, model, manifest.get("lm_head"), head_gemms, screen_kernel)
         packed = pack_weights(inputs, model, [v.get("weight_formats", {}) for v in manifest["variants"]],
                               release=release_weights)
     routes = []

@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from tqdm import tqdm
 
-from kiln.compiler import artifact, attention_library, head_library, usage
+from kiln.compiler import artifact, head_library, kernel_library, usage
 from kiln.compiler.aoti import CompiledLibrary, check_compilable, tensor_args
 from kiln.compiler.counters import counters
 from kiln.compiler.key import cache_key, model_factors
@@ -35,7 +35,6 @@ from kiln.compiler.trace import TracedBackbone, trace_backbone
 from kiln.compiler.workers import CompileJob, compile_jobs, probe_cpu_in_background
 from kiln.config import CompileConfig, dtype_name
 from kiln.kernels import panel_linear
-from kiln.kernels.decode_attention import LIBRARY
 from kiln.models.llama import CausalLM
 from kiln.passes import GraphPass, PassManager, gemm_choice
 from kiln.passes.base import SizeRange
@@ -409,10 +408,15 @@ def build_artifact(
             start = time.perf_counter()
             head_libraries = head_library.build(formats, tuple(model.lm_head_weight().shape), pieces)
             timings["compile"] += time.perf_counter() - start
+        kernels = []
+        if kernel_library.attention_wanted(next(model.parameters()).device, model.dtype):
+            kernels.append(kernel_library.DECODE_ATTENTION)
+        if kernel_library.screen_wanted(lm_head):
+            kernels.append(kernel_library.GREEDY_SCREEN)
         libraries = {}
-        if attention_library.wanted(next(model.parameters()).device, model.dtype):
+        if kernels:  # kiln's kernels that run outside the pieces, built to ship
             start = time.perf_counter()
-            libraries[LIBRARY] = attention_library.build(pieces)
+            libraries = kernel_library.build(kernels, pieces)
             timings["compile"] += time.perf_counter() - start
         if dump_dir is not None:
             for rel, text in debug.items():

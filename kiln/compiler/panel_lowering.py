@@ -1,5 +1,6 @@
-"""The Inductor lowerings of kiln's C++ kernels: the panel GEMMs (`kiln.kernels.panel_linear`) and the
-decode attention (`kiln.kernels.decode_attention`). A kernel's C++ goes into the wrapper of the piece
+"""The Inductor lowerings of kiln's C++ kernels: the panel GEMMs (`kiln.kernels.panel_linear`), the
+decode attention (`kiln.kernels.decode_attention`) and the LM head's greedy screen
+(`kiln.kernels.greedy_screen`). A kernel's C++ goes into the wrapper of the piece
 that calls it, and the piece calls it like one of torch's C shim functions, from C++ with no Python.
 The kernel is thus compiled with the piece, for the same ISA, and ships inside the artifact's library.
 """
@@ -10,7 +11,7 @@ import logging
 
 import torch
 
-from kiln.kernels import decode_attention, panel_linear
+from kiln.kernels import decode_attention, greedy_screen, panel_linear
 from kiln.kernels.panel_linear import PanelKernel
 
 logger = logging.getLogger(__name__)
@@ -63,11 +64,19 @@ def register() -> bool:
     lowering(panel_linear.FLOAT)
     lowering(panel_linear.INT8)
 
-    @register_lowering(torch.ops.kiln.decode_attention.default, type_promotion_kind=None)
-    def lower_attention(query, kv_cache, block_tables, seq_lens, params):
-        layout = ir.FixedLayout(query.get_device(), torch.float32, list(query.get_size()))
-        source = decode_attention.SOURCE + decode_attention.WRAPPER_SOURCE
-        return ir.TensorBox.create(CppKernel("decode_attention", source, decode_attention.SHIM, layout,
-                                             realized((query, kv_cache, block_tables, seq_lens, params))))
+    def kernel_lowering(module, layout_of):
+        """`module`'s op (a kernel module: SOURCE, WRAPPER_SOURCE, SHIM) lowered to its C++ kernel;
+        `layout_of(*inputs)` is its output's [sizes], dtype."""
+        op = getattr(torch.ops.kiln, module.LIBRARY).default
+
+        @register_lowering(op, type_promotion_kind=None)
+        def lower(*inputs):
+            sizes, dtype = layout_of(*inputs)
+            layout = ir.FixedLayout(inputs[0].get_device(), dtype, sizes)
+            return ir.TensorBox.create(CppKernel(module.LIBRARY, module.SOURCE + module.WRAPPER_SOURCE, module.SHIM,
+                                                 layout, realized(inputs)))
+
+    kernel_lowering(decode_attention, lambda query, *rest: (list(query.get_size()), torch.float32))
+    kernel_lowering(greedy_screen, lambda hidden, *rest: ([hidden.get_size()[0]], torch.int64))
 
     return True

@@ -160,12 +160,13 @@ def _refuse_eager_run(model: nn.Module, args) -> None:
                     "compile=False to call the model itself")
 
 
-def pack_lm_head(model: nn.Module, choice: dict | None, libraries: dict[str, Callable] | None = None
-                 ) -> PackedHead | None:
+def pack_lm_head(model: nn.Module, choice: dict | None, libraries: dict[str, Callable] | None = None,
+                 screen: Callable | None = None) -> PackedHead | None:
     """The model's LM head as an artifact's manifest chose it (its "lm_head" entry: a packed format,
     the greedy screen's kernel), on the panel GEMM `libraries` (format -> the loaded library) it
-    ships; None for no format, or when the model has an int8 head of its own (which then runs on the
-    int8 panel GEMM where the artifact ships it)."""
+    ships, its greedy screen on the `screen` library where it ships one; None for no format, or when
+    the model has an int8 head of its own (which then runs on the int8 panel GEMM where the artifact
+    ships it)."""
     libraries = libraries or {}
     int8_head = getattr(model, "lm_head_kernel", None)
     if isinstance(int8_head, Int8Head):
@@ -177,7 +178,8 @@ def pack_lm_head(model: nn.Module, choice: dict | None, libraries: dict[str, Cal
         return None
     start = time.perf_counter()
     head = PackedHead(model.lm_head_weight(), choice["format"], gemm=_head_gemm(libraries.get(choice["format"])),
-                      screen_gemm=_head_gemm(libraries.get(choice.get("screen"))))
+                      screen_gemm=_head_gemm(libraries.get(choice.get("screen"))),
+                      screen_library=screen if choice.get("screen") == "panels16_int8" else None)
     logger.info("packed the LM head in %.2fs", time.perf_counter() - start)
     return head
 

@@ -7,7 +7,7 @@ Qwen2.5-0.5B's heads, of which the scores and the weighted sum are well under 1 
 kernel walks each sequence's block table itself, one (sequence, KV head) pair per thread, each
 KV head's group of query heads together, so K and V are read once.
 
-Like the panel GEMMs it is C++ that AOTInductor compiles into a library (`kiln.compiler.attention_library`)
+Like the panel GEMMs it is C++ that AOTInductor compiles into a library (`kiln.compiler.kernel_library`)
 from a graph of the one op, which the artifact ships: a serve start needs no compiler. The op's own
 function is the reference.
 """

@@ -130,12 +130,10 @@ static const panel_fn PANELS[17] = {{nullptr, panel<1>, panel<2>, panel<3>, pane
     panel<7>, panel<8>, panel<9>, panel<10>, panel<11>, panel<12>, panel<13>, panel<14>, panel<15>, panel<16>}};
 }}  // namespace kiln_panel_int8
 
-// out [M, N] fp32 = a [M, K] int8 @ W.T summed in int32, W packed by `pack_int8` (K a multiple of 4)
-extern "C" void kiln_panel_int8_gemm(const int8_t* a, const uint8_t* w, float* out, int64_t M, int64_t N,
-                                     int64_t K) {{
-  const int64_t panels = N / {PANEL}, K4 = K / 4;
-  int32_t* at = (int32_t*)aligned_alloc(64, ((M * K4 + M + 15) / 16) * 64);
-  int32_t* shift = at + M * K4;
+// a [M, K] int8 in the layout `panel` reads: groups of 16 rows, four codes to an int32, transposed, into
+// `at` [M * K / 4]; each row's 128 x (sum of its codes) into `shift` [M]
+static void kiln_panel_int8_rows(const int8_t* a, int64_t M, int64_t K, int32_t* at, int32_t* shift) {{
+  const int64_t K4 = K / 4;
   for (int64_t m = 0; m < M; ++m) {{
     int32_t sum = 0;
     for (int64_t k = 0; k < K; ++k) sum += a[m * K + k];
@@ -146,13 +144,28 @@ extern "C" void kiln_panel_int8_gemm(const int8_t* a, const uint8_t* w, float* o
     for (int64_t k = 0; k < K4; ++k)
       for (int64_t i = 0; i < rows; ++i) __builtin_memcpy(at + m * K4 + k * rows + i, a + (m + i) * K + 4 * k, 4);
   }}
+}}
+
+// out[:, 16 first : 16 last] of the GEMM below: panels [first, last) for all M rows, from `kiln_panel_int8_rows`
+static void kiln_panel_int8_panels(const int32_t* at, const int32_t* shift, const uint8_t* w, float* out, int64_t M,
+                                   int64_t N, int64_t K, int64_t first, int64_t last) {{
+  for (int64_t p = first; p < last; ++p)
+    for (int64_t m = 0; m < M; m += 16)
+      kiln_panel_int8::PANELS[M - m < 16 ? M - m : 16](at + m * (K / 4), shift + m, K / 4, w + p * K * {PANEL},
+                                                       out + m * N + p * {PANEL}, N);
+}}
+
+// out [M, N] fp32 = a [M, K] int8 @ W.T summed in int32, W packed by `pack_int8` (K a multiple of 4)
+extern "C" void kiln_panel_int8_gemm(const int8_t* a, const uint8_t* w, float* out, int64_t M, int64_t N,
+                                     int64_t K) {{
+  const int64_t panels = N / {PANEL};
+  int32_t* at = (int32_t*)aligned_alloc(64, ((M * K / 4 + M + 15) / 16) * 64);
+  int32_t* shift = at + M * K / 4;
+  kiln_panel_int8_rows(a, M, K, at, shift);
   #pragma omp parallel
   {{
     const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
-    for (int64_t p = panels * t / threads; p < panels * (t + 1) / threads; ++p)
-      for (int64_t m = 0; m < M; m += 16)
-        kiln_panel_int8::PANELS[M - m < 16 ? M - m : 16](at + m * K4, shift + m, K4, w + p * K * {PANEL},
-                                                         out + m * N + p * {PANEL}, N);
+    kiln_panel_int8_panels(at, shift, w, out, M, N, K, panels * t / threads, panels * (t + 1) / threads);
   }}
   free(at);
 }}

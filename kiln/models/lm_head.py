@@ -21,7 +21,7 @@ import torch
 
 from kiln.config import LM_HEAD_QUANTIZATIONS
 from kiln.errors import KilnError
-from kiln.kernels import packed_linear, panel_linear, quantize_weight
+from kiln.kernels import greedy_screen, packed_linear, panel_linear, quantize_weight
 from kiln.models.quantization import SCHEMES
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,9 @@ def screen_kernel() -> str | None:
 HeadGemm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """gemm(x, packed weight) -> [rows, vocab] fp32: a panel GEMM (`kiln.kernels.panel_linear`) as the
 artifact ships it for the head (`kiln.compiler.head_library`), or as a compile times it."""
+ScreenLibrary = Callable[..., list[torch.Tensor]]
+"""The greedy screen's library (`kiln.kernels.greedy_screen`, shipped by `kiln.compiler.kernel_library`):
+(hidden, codes, scales, weight, params) -> [tokens]."""
 
 
 class PackedHead:
@@ -63,10 +66,12 @@ class PackedHead:
     `screen` (default: an fp32 weight on a CPU with an exact int8 GEMM, `screen_kernel`) gives it a
     `GreedyScreen`, built on the first greedy call (0.64 s for Qwen2.5's head, measured once): a start
     does not wait for it, and a process that only samples never holds it. `pending_bytes` is what it
-    will take until then. `screen_gemm` (the int8 panel GEMM) runs the screen where given."""
+    will take until then. `screen_gemm` (the int8 panel GEMM) runs the screen where given, and
+    `screen_library` (`kiln.kernels.greedy_screen`'s) the whole screen on it."""
 
     def __init__(self, weight: torch.Tensor, format: str = "onednn", screen: bool | None = None,
-                 gemm: HeadGemm | None = None, screen_gemm: HeadGemm | None = None):
+                 gemm: HeadGemm | None = None, screen_gemm: HeadGemm | None = None,
+                 screen_library: ScreenLibrary | None = None):
         if (format == "panels16") != (gemm is not None):
             raise KilnError(f"an LM head packed as {format!r} runs on {'a' if gemm is None else 'no'} panel GEMM "
                             "library: pass `gemm` with \"panels16\" only")
@@ -76,7 +81,7 @@ class PackedHead:
             screen = format in ("onednn", "panels16") and weight.dtype == torch.float32 and weight.device.type == "cpu"
         self.screen_kernel = ("panels16_int8" if screen_gemm is not None else screen_kernel()) if screen else None
         self.screen: GreedyScreen | None = None
-        self._screen_gemm = screen_gemm
+        self._screen_gemm, self._screen_fused = screen_gemm, screen_library
         self._plain = weight if self.screen_kernel else None  # the weight the screen is built from, until it is
 
     @property
@@ -103,9 +108,11 @@ class PackedHead:
         tell (no screen, or the screen gave up): compute the logits then."""
         if self._plain is not None:
             start = time.perf_counter()
-            self.screen, self._plain = GreedyScreen(self._plain, self.screen_kernel, self._screen_gemm), None
-            logger.info("built the LM head's greedy screen (int8 on %s, %d blocks) in %.2fs", self.screen_kernel,
-                        len(self.screen.blocks), time.perf_counter() - start)
+            self.screen = GreedyScreen(self._plain, self.screen_kernel, self._screen_gemm, self._screen_fused)
+            self._plain = None
+            logger.info("built the LM head's greedy screen (int8 on %s, %d blocks%s) in %.2fs", self.screen_kernel,
+                        len(self.screen.blocks), ", one kernel" if self._screen_fused else "",
+                        time.perf_counter() - start)
         return self.screen(hidden) if self.screen is not None else None
 
 
@@ -140,12 +147,16 @@ class GreedyScreen:
     y_i >= (f_L - B - 2 gamma |h| R) / s (f_L is computed apart from the candidates, so in another
     order of sums, maybe): those are the candidates, and the fp32 argmax of the candidates (the first
     of equal ones, as torch's argmax) is the argmax of all. A step's norms are taken in fp64; those of W in fp32, raised
-    by 2 gamma, so their own rounding stays inside."""
+    by 2 gamma, so their own rounding stays inside.
 
-    def __init__(self, weight: torch.Tensor, kernel: str = "onednn_int8", gemm: HeadGemm | None = None):
+    On the int8 panel GEMM, an artifact's `kiln.kernels.greedy_screen` library runs all of this as one
+    kernel (`fused`), row by row; the torch ops here are its fallback elsewhere."""
+
+    def __init__(self, weight: torch.Tensor, kernel: str = "onednn_int8", gemm: HeadGemm | None = None,
+                 fused: ScreenLibrary | None = None):
         """`kernel`: the int8 GEMM's weight format; "panels16_int8" runs on `gemm`, and its blocks are
-        packed into one weight."""
-        if (kernel == "panels16_int8") != (gemm is not None):
+        packed into one weight, which `fused` (the screen as one kernel) reads where given."""
+        if (kernel == "panels16_int8") != (gemm is not None) or fused is not None and gemm is None:
             raise KilnError(f"a greedy screen on {kernel!r} runs on {'a' if gemm is None else 'no'} panel GEMM "
                             "library: pass `gemm` with \"panels16_int8\" only")
         vocab, k = weight.shape
@@ -170,6 +181,9 @@ class GreedyScreen:
         if panels is not None:
             self.blocks, self.scales = [panels], [torch.cat(self.scales)]
         self.max_row_norm, self.max_quant_row_norm, self.max_error_row_norm = (norms * (1 + 2 * self.gamma)).tolist()
+        self.fused = fused if self.weight.is_contiguous() else None  # the kernel reads rows of W in place
+        self.params = greedy_screen.params(self.max_row_norm, self.max_quant_row_norm, self.max_error_row_norm,
+                                           SCREEN_MAX_CANDIDATES)
 
     @staticmethod
     def _norms(rows: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -196,6 +210,9 @@ class GreedyScreen:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[rows, K] fp32 hidden states -> [rows] int64 argmax tokens, or None if the screen cannot tell."""
+        if self.fused is not None:
+            tokens = self.fused(hidden.contiguous(), self.blocks[0], self.scales[0], self.weight, self.params)[0]
+            return None if bool((tokens < 0).any()) else tokens
         y, s, window = self._screen_logits(hidden)
         rows, vocab = y.shape
         blocked = vocab % SCREEN_BLOCK == 0

@@ -101,11 +101,12 @@ def test_compiled_model_on_the_panel_gemm_decodes_like_eager(scheme, demo_dirs, 
                                                              capsys):
     """The demo llama with every projection, its LM head and the head's greedy screen on the panel
     GEMMs (the choice's timings forced): the runtime packs the weights the manifest names, the pieces
-    and the artifact's head libraries run the kernels in C++ (the ops' Python references, patched to
-    fail, are never called), and the tokens are eager's, with logprobs (the head's logits) and
+    and the artifact's head and greedy screen libraries run the kernels in C++ (the ops' Python
+    references and the screen's torch ops, patched to fail, are never called), and the tokens are eager's, with logprobs (the head's logits) and
     without (the screen's argmax)."""
     from kiln import LLM, SamplingParams
     from kiln.compiler import artifact
+    from kiln.models import lm_head
     from kiln.passes import gemm_choice
     from tests.oracle import PROMPTS
 
@@ -122,6 +123,7 @@ def test_compiled_model_on_the_panel_gemm_decodes_like_eager(scheme, demo_dirs, 
     head = manifest["lm_head"]
     assert (head["format"], head["screen"], sorted(head["libraries"])) == \
         ("panels16", "panels16_int8", ["panels16", "panels16_int8"])
+    assert sorted(manifest["libraries"]) == ["decode_attention", "greedy_screen"]  # the screen's kernel ships too
     assert artifact.verify(compiled.artifact_path) and all(
         (compiled.artifact_path / "blobs" / f"{e['sha256']}.so").stat().st_size == e["bytes"]
         for e in head["libraries"].values())
@@ -137,6 +139,7 @@ def test_compiled_model_on_the_panel_gemm_decodes_like_eager(scheme, demo_dirs, 
     fail = lambda w: pytest.fail("the reference op ran, not the kernel")  # noqa: E731
     monkeypatch.setattr(panel_linear, "unpack", fail)
     monkeypatch.setattr(panel_linear, "unpack_int8", fail)
+    monkeypatch.setattr(lm_head.GreedyScreen, "_screen_logits", lambda self, h: fail(h))  # the screen's torch ops
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
     got = compiled.generate(PROMPTS, params)
     eager = LLM(demo_dirs["llama"], quantization=scheme)
@@ -145,7 +148,7 @@ def test_compiled_model_on_the_panel_gemm_decodes_like_eager(scheme, demo_dirs, 
     screen = compiled.engine.runner.greedy_tokens.__self__
     assert screen.screen is None  # no greedy call so far: logprobs take the logits
     plain = compiled.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    assert screen.screen is not None and screen.screen.kernel == "panels16_int8"
+    assert screen.screen is not None and screen.screen.kernel == "panels16_int8" and screen.screen.fused is not None
     assert [o.token_ids for o in plain] == [o.token_ids for o in ref]
     for a, b in zip(got, ref):
         # int8: an activation code can round the other way after Inductor's RMSNorm (as in
