@@ -68,8 +68,8 @@ def test_kernel_gives_up_where_it_cannot_tell(library):
     inf = hidden.clone()
     inf[0, 0] = float("inf")
     assert fused(inf) is None
-    loose = greedy_screen.params(fused.max_row_norm, fused.max_quant_row_norm, fused.max_error_row_norm, 0)
-    assert (library(hidden, fused.blocks[0], fused.scales[0], weight, loose)[0] == -1).all()  # a cap of none
+    no_cap = greedy_screen.params(fused.max_row_norm, fused.max_quant_row_norm, fused.max_error_row_norm, 0)
+    assert (library(hidden, fused.blocks[0], fused.scales[0], weight, no_cap)[0] == -1).all()  # no candidate allowed
     assert SCREEN_MAX_CANDIDATES == fused.params[3]
 
 
