@@ -12,7 +12,7 @@ from kiln.compiler.key import cache_key, model_factors
 from kiln.config import (CompileConfig, EngineConfig, ParallelConfig, cpu_has_native_bf16, default_cache_dir,
                          parse_device, parse_dtype)
 from kiln.errors import KilnError
-from kiln.kernels import packed_linear
+from kiln.kernels import huge_pages, packed_linear
 from kiln.models.config import ModelConfig
 from kiln.models.lm_head import quantize_lm_head
 from kiln.models.loader import checkpoint_bytes, load_weights
@@ -121,6 +121,8 @@ class LLM:
             forward = self._compiled(Path(cache_dir or default_cache_dir()), compile_config, require_artifact,
                                      passes)
         self.engine = Engine(self.model, engine_config, self.tokenizer, seed=seed, forward=forward)
+        if self.device.type == "cpu":
+            huge_pages.start()  # packed weights onto huge pages while the CPUs idle, not before ready
         logger.info("ready in %.2fs", time.perf_counter() - start)
 
     @property

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from kiln.kernels import huge_pages
+
 PANEL = 16
 """Output channels a panel holds: one AVX-512 register of fp32."""
 PREFETCH_LINES = 256
@@ -235,10 +237,13 @@ INT8 = PanelKernel("panel_int8_linear", INT8_SOURCE, "kiln_panel_int8_gemm", INT
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
-    """[N, K] fp32 weight -> the same shape and strides holding its panels: a compiled graph takes it
-    where it took the weight. N must be a multiple of PANEL."""
+    """[N, K] fp32 weight -> the same shape and strides holding its panels, queued for huge pages
+    (`huge_pages`): a compiled graph takes it where it took the weight. N must be a multiple of PANEL."""
     n, k = w.shape
-    return w.reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous().view(n, k)
+    out = huge_pages.empty((n, k), w.dtype)
+    out.view(n // PANEL, k, PANEL).copy_(w.reshape(n // PANEL, PANEL, k).transpose(1, 2))
+    huge_pages.collapse_later(out)
+    return out
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
@@ -250,12 +255,16 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 def pack_int8(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """[N, K] int8 codes -> the same shape holding, per panel, each group of 4 K of its 16 channels
     together ([K / 4, 16, 4]), as unsigned codes w + 128 in int8's bytes; written into `out` (a
-    contiguous [N, K] int8 tensor) if given. N must be a multiple of PANEL and K of 4."""
+    contiguous [N, K] int8 tensor) if given, else into a tensor queued for huge pages. N must be a
+    multiple of PANEL and K of 4."""
     n, k = w.shape
-    out = torch.empty((n, k), dtype=torch.int8) if out is None else out
+    fresh = out is None
+    out = huge_pages.empty((n, k), torch.int8) if fresh else out
     panels = out.view(n // PANEL, k // 4, PANEL, 4)
     panels.copy_(w.reshape(n // PANEL, PANEL, k // 4, 4).transpose(1, 2))
     panels.view(torch.uint8).bitwise_xor_(0x80)
+    if fresh:
+        huge_pages.collapse_later(out)
     return out
 
 

@@ -21,7 +21,7 @@ import torch
 
 from kiln.config import LM_HEAD_QUANTIZATIONS
 from kiln.errors import KilnError
-from kiln.kernels import greedy_screen, packed_linear, panel_linear, quantize_weight
+from kiln.kernels import greedy_screen, huge_pages, packed_linear, panel_linear, quantize_weight
 from kiln.models.quantization import SCHEMES
 
 logger = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ class GreedyScreen:
         self.kernel, self.gemm = kernel, gemm
         self.gamma = (k + 1) * UNIT_ROUNDOFF / (1 - (k + 1) * UNIT_ROUNDOFF)
         weight_max = packed_linear.W7A8_MAX if kernel == "fbgemm_w7a8" else None
-        panels = torch.empty(weight.shape, dtype=torch.int8) if gemm is not None else None
+        panels = huge_pages.empty(weight.shape, torch.int8) if gemm is not None else None
         self.blocks, self.scales, norms = [], [], torch.zeros(3)
         for start in range(0, vocab, SCREEN_PACK_ROWS):
             rows = self.weight[start:start + SCREEN_PACK_ROWS]
@@ -179,6 +179,7 @@ class GreedyScreen:
             self.scales.append(scale)
             norms = torch.maximum(norms, self._norms(rows, codes, scale))
         if panels is not None:
+            huge_pages.collapse_later(panels)
             self.blocks, self.scales = [panels], [torch.cat(self.scales)]
         self.max_row_norm, self.max_quant_row_norm, self.max_error_row_norm = (norms * (1 + 2 * self.gamma)).tolist()
         self.fused = fused if self.weight.is_contiguous() else None  # the kernel reads rows of W in place
