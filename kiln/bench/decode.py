@@ -23,7 +23,6 @@ from pathlib import Path
 
 from kiln.config import DTYPES, LM_HEAD_QUANTIZATIONS, QUANTIZATIONS
 from kiln.errors import KilnError
-from kiln.kernels import huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +35,8 @@ def read_bandwidth(repeats: int = 5) -> float:
     """Bytes per second that a sum over a 512 MiB fp32 tensor reads, best of `repeats`; the tensor on
     huge pages where the packed weights go there too, so the floor does not count what they save."""
     import torch
+
+    from kiln.kernels import huge_pages
 
     x = huge_pages.empty((BANDWIDTH_BYTES // 4,), torch.float32).fill_(1.0)
     huge_pages.collapse_later(x)
@@ -117,6 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kiln import LLM
+    from kiln.kernels import huge_pages
 
     if args.steps < 1 or args.prompt_len < 1:
         raise KilnError("--steps and --prompt-len must be at least 1")
