@@ -44,8 +44,9 @@ def test_empty_maps_on_a_huge_page_boundary():
     assert t.data_ptr() % huge_pages.HUGE_PAGE == 0
     t.fill_(3.0)
     assert torch.equal(t, torch.full(SHAPE, 3.0))
+    assert t.untyped_storage().nbytes() == 4 * SHAPE[0] + huge_pages.HUGE_PAGE  # its own mapping, with slack
     small = huge_pages.empty((1000,), torch.float32)  # under one huge page: torch's own allocation
-    assert small.shape == (1000,)
+    assert small.shape == (1000,) and small.untyped_storage().nbytes() == 4000
 
 
 @needs_collapse
