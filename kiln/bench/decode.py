@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 BANDWIDTH_BYTES = 512 << 20
 HUGE_PAGES_WAIT_S = 60
-"""How long timing waits for the packed weights to reach huge pages (about 4 s a GB on a 2-core VM)."""
+"""How long timing waits for the packed weights to reach huge pages (2.2-2.5 s a GB on a 2-core VM)."""
 
 
 def read_bandwidth(repeats: int = 5) -> float:
