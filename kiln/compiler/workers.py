@@ -56,9 +56,16 @@ _probe: threading.Thread | None = None
 def probe_cpu_in_background() -> None:
     """Start Inductor's probe of which vector ISAs g++ can build (one test build per ISA: 18 s here
     with an empty Inductor cache), so it runs while the model is traced; Inductor keeps the answer
-    in memory, and workers forked after it inherit it instead of each probing again."""
+    in memory, and workers forked after it inherit it instead of each probing again.
+
+    The thread must import nothing: a module two threads import at once can reach one of them half
+    initialized (Python accepts a concurrent circular import), and the trace imports much of
+    Inductor meanwhile. So what the probe imports is imported here, first."""
     global _probe
     try:
+        import torch._inductor.codecache  # noqa: F401
+        import torch._inductor.cpp_builder  # noqa: F401
+        import torch.utils.cpp_extension  # noqa: F401
         from torch._inductor.cpu_vec_isa import valid_vec_isa_list
     except ImportError:  # a torch without it: each compile probes for itself
         return

@@ -51,3 +51,27 @@ def test_forked_workers_build_libraries_that_run(monkeypatch, tmp_path):
         path.write_bytes(compiled.library)
         [out] = LoadedLibrary(path, tensor_args(jobs[i].inputs))(x, w)
         torch.testing.assert_close(out, fns[i](x, w))
+
+
+PROBE_IMPORTS = """
+import importlib.abc, sys, threading
+seen = []
+class Recorder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        seen.append((threading.current_thread().name, name))
+sys.meta_path.insert(0, Recorder())
+from kiln.compiler import workers
+workers.probe_cpu_in_background()
+workers._probe_done()
+print(sorted(name for thread, name in seen if thread == "kiln-isa-probe"))
+"""
+
+
+def test_isa_probe_thread_imports_nothing():
+    # a module imported by the probe thread and the tracing thread at once can reach one of them half
+    # initialized: in CI, one of four concurrent `kiln compile`s failed that way
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", PROBE_IMPORTS], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
