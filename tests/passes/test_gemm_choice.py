@@ -196,3 +196,19 @@ def test_a_weight_keeps_one_packed_format_across_size_ranges(traced_graphs):
     assert {kernel for _, kernel in slow.decisions(graph, (1, 32))} == {"panels16"}
     # where the panel GEMM loses to torch's, the weight is packed twice rather than run slower than as loaded
     assert {kernel for _, kernel in slow.decisions(graph, (33, 2048))} == {"onednn"}
+
+
+def test_screen_choice_is_the_faster_kernel_overall_not_vetoed_by_torchs():
+    # the screen never runs on torch's int8 GEMM: being 2% slower than it at one token count once made
+    # the panel GEMM lose the screen (and the one-kernel screen with it) while it was faster overall
+    shape = (512, 64)
+    sig = gemm_choice._Signature("int8", shape, torch.int8, False, torch.float32)
+    if any(gemm_choice._unavailable(sig, c) for c in ("onednn_int8", "panels16_int8")):
+        pytest.skip("oneDNN's or kiln's int8 GEMM cannot run here")
+    at = {1: {"aten": 3.53, "onednn_int8": 3.46, "panels16_int8": 3.60},
+          16: {"aten": 9.43, "onednn_int8": 4.98, "panels16_int8": 3.63}}
+    choice = gemm_choice.lm_head_screen_choice(shape, (1, 16), timer=lambda fn, args: at[args[0].shape[0]][fn.kernel])
+    assert choice.kernel == "panels16_int8" and choice.ms["aten"] == (3.53, 9.43)
+    at[16]["onednn_int8"] = 3.0
+    choice = gemm_choice.lm_head_screen_choice(shape, (1, 16), timer=lambda fn, args: at[args[0].shape[0]][fn.kernel])
+    assert choice.kernel == "onednn_int8"
