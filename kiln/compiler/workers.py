@@ -74,7 +74,9 @@ def probe_cpu_in_background() -> None:
         _probe.start()
 
 
-def _probe_done() -> None:
+def cpu_probe_done() -> None:
+    """Wait for the probe: its test builds take a core, so nothing timed (the GEMM choices) and no
+    fork may run beside it."""
     if _probe is not None:
         _probe.join()
 
@@ -99,7 +101,7 @@ def compile_jobs(jobs: list[CompileJob]) -> Iterator[tuple[int, CompiledLibrary,
     """Compile every job; yields (job index, library, seconds) as each finishes, in any order."""
     global _jobs
     workers = worker_count(jobs)
-    _probe_done()  # never fork, or compile, while it runs
+    cpu_probe_done()  # never fork, or compile, while it runs
     _jobs = jobs
     try:
         if workers == 1:

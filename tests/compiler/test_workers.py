@@ -62,7 +62,7 @@ class Recorder(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Recorder())
 from kiln.compiler import workers
 workers.probe_cpu_in_background()
-workers._probe_done()
+workers.cpu_probe_done()
 print(sorted(name for thread, name in seen if thread == "kiln-isa-probe"))
 """
 
