@@ -60,14 +60,24 @@ def test_written_and_queued_tensors_collapse_with_their_contents():
     assert torch.equal(t, expected)
 
 
-def test_a_freed_tensor_is_skipped():
-    before = huge_pages.collapsed_bytes()
+def test_a_freed_tensor_is_unmapped_and_skipped(monkeypatch):
+    advised = []
+
+    class Libc:  # records the calls instead of making them
+        def madvise(self, start, length, advice):
+            advised.append(start)
+            return 0
+
+    monkeypatch.setattr(huge_pages, "_libc", Libc)
     t = huge_pages.empty(SHAPE, torch.float32).zero_()
+    start = t.data_ptr()
     with huge_pages._lock:  # the background thread, if a test started it, cannot take it in between
         huge_pages.collapse_later(t)
-        del t  # unmapped: had it been collapsed after this, the count would have grown
+        [mapping] = [ref for ref, at, _ in huge_pages._pending if at == start]
+        del t
+        assert mapping() is None  # the last view gone, its mapping is freed with it
     settle()
-    assert huge_pages.collapsed_bytes() == before
+    assert start not in advised  # never advised once unmapped
 
 
 @needs_collapse
