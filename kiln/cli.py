@@ -216,7 +216,8 @@ def _add_compile_options(parser: argparse.ArgumentParser, cache_dir: bool = True
     pass_names = [f.name.replace("_", "-") for f in dataclasses.fields(PassConfig) if f.type in (bool, "bool")]
     if cache_dir:
         parser.add_argument("--cache-dir", metavar="DIR", help="artifact cache (default $KILN_CACHE, else "
-                            "~/.cache/kiln)")
+                            "~/.cache/kiln); on a CPU, loads also keep each checkpoint's packed weights in DIR/packed "
+                            "for faster later loads ($KILN_PACK_CACHE moves them; 'off' disables)")
     parser.add_argument("--device", default="auto", metavar="auto|cpu|cuda|cuda:N", help="where the model runs, "
                         "and so what the artifact is compiled for (default auto: cuda where a GPU is visible, "
                         "else cpu)")

@@ -1,8 +1,9 @@
 """`LLM`: offline batch generation, the Python entry point most users start from."""
 
+import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -12,10 +13,11 @@ from kiln.compiler.key import cache_key, model_factors
 from kiln.config import (CompileConfig, EngineConfig, ParallelConfig, cpu_has_native_bf16, default_cache_dir,
                          parse_device, parse_dtype)
 from kiln.errors import KilnError
-from kiln.kernels import huge_pages, packed_linear
+from kiln.kernels import huge_pages, pack_cache, packed_linear
+from kiln.kernels.pack_cache import PackFile, Slot
 from kiln.models.config import ModelConfig
 from kiln.models.lm_head import quantize_lm_head
-from kiln.models.loader import checkpoint_bytes, load_weights
+from kiln.models.loader import checkpoint_bytes, checkpoint_identity, load_weights
 from kiln.models.quantization import check_scheme, quantize_model
 from kiln.models.registry import create_model
 from kiln.passes import GraphPass
@@ -44,7 +46,9 @@ class LLM:
     `dtype="auto"` runs in the checkpoint's dtype (config.json's `torch_dtype`); "float32",
     "bfloat16" or "float16" cast to it. Before loading, the weights and a KV cache are checked
     against the memory available; the KV cache then takes `memory_utilization` of what is left.
-    `artifact=PATH` runs that artifact directly (no key lookup, never compiles).
+    `artifact=PATH` runs that artifact directly (no key lookup, never compiles). On a CPU, a compiled
+    program's packed weights are kept in `cache_dir`/packed and mapped from there by later loads
+    (`kiln.kernels.pack_cache`; `$KILN_PACK_CACHE=off` packs them in memory at every load).
     `tensor_parallel_size=N` splits the model over N processes started by `torchrun --nproc-per-node N`:
     every rank builds its share, and every rank returns the same outputs. `threads` sets the CPU
     threads (default: the machine's physical cores). `lm_head_quantization="int8"` (or "w7a8") runs the LM
@@ -100,11 +104,12 @@ class LLM:
         forward = None
         self.artifact_path: Path | None = None
         """The compiled artifact this LLM runs (compile=True only)."""
+        self._packs = self._pack_file(Path(cache_dir or default_cache_dir()), self.quantization, lm_head_quantization)
         if artifact is not None:  # this artifact and no other: never compiles
             from kiln.compiler import artifact as artifacts
 
             self.artifact_path = Path(artifact)
-            forward = artifacts.load(self.artifact_path, self.model, release_weights=True)
+            forward = artifacts.load(self.artifact_path, self.model, release_weights=True, packs=self._packs)
             if engine_config.max_num_batched_tokens > forward.graph.max_num_tokens:
                 raise KilnError(
                     f"max_num_batched_tokens {engine_config.max_num_batched_tokens} exceeds the max_num_tokens "
@@ -174,6 +179,19 @@ class LLM:
                        else "a machine with more memory")
         plan.check(self.dtype, engine_config.kv_cache_memory_bytes is not None, options)
 
+    def _pack_file(self, cache_dir: Path, quantization: str | None,
+                   lm_head_quantization: str | None) -> Callable[[list[Slot]], PackFile] | None:
+        """Where a compiled program's packed weights are kept between loads (`kiln.kernels.pack_cache`),
+        keyed by this checkpoint, its quantization and this rank's shard; None off the CPU or where
+        `$KILN_PACK_CACHE` is off."""
+        folder = pack_cache.folder_for(cache_dir)
+        if folder is None or self.device.type != "cpu":
+            return None
+        identity = {"checkpoint": checkpoint_identity(self.model_dir), "dtype": self.dtype,
+                    "quantization": quantization, "lm_head_quantization": lm_head_quantization,
+                    "shard": [self.parallel.rank, self.parallel.world_size]}
+        return functools.partial(PackFile, folder, identity)
+
     def _compiled(self, cache_dir: Path, compile_config: CompileConfig, require_artifact: bool,
                   passes: Sequence[GraphPass]):
         """Load the artifact for this model and config; compile it first if it is absent or broken."""
@@ -181,7 +199,7 @@ class LLM:
 
         path = self.artifact_path = cache_dir / cache_key(model_factors(self.model, compile_config, passes))
         try:
-            return artifact.load(path, self.model, release_weights=True)
+            return artifact.load(path, self.model, release_weights=True, packs=self._packs)
         except artifact.ArtifactError as e:
             if require_artifact:
                 raise
@@ -191,7 +209,7 @@ class LLM:
 
         result = build_artifact(self.model, compile_config, cache_dir, passes=passes,
                                 model_name=Path(self.model_dir).name)
-        return artifact.load(result.path, self.model, release_weights=True)
+        return artifact.load(result.path, self.model, release_weights=True, packs=self._packs)
 
     def generate(
         self,

@@ -204,7 +204,8 @@ def prune_cache(cache_dir: Path, older_than: float | None, max_size: int | None,
     if as_json:
         _print_json({"removed": [e.key for e in report.removed], "freed_bytes": report.freed_bytes,
                      "busy": {e.key: why for e, why in report.busy}, "kept": [e.key for e in report.kept],
-                     "pieces_removed": report.pieces_removed, "dry_run": dry_run})
+                     "pieces_removed": report.pieces_removed, "packed_removed": report.packed_removed,
+                     "dry_run": dry_run})
         return 0
     verb = "would remove" if dry_run else "removed"
     for e in report.removed:
@@ -212,6 +213,7 @@ def prune_cache(cache_dir: Path, older_than: float | None, max_size: int | None,
     for e, why in report.busy:
         print(f"kept    {e.key}: {why}")
     pieces = f" and {report.pieces_removed} compiled pieces" if report.pieces_removed else ""
+    pieces += f" and {report.packed_removed} files of packed weights" if report.packed_removed else ""
     print(f"{verb} {len(report.removed)} artifacts{pieces} ({format_size(report.freed_bytes)}); "
           f"{len(report.kept)} kept")
     return 0

@@ -1,8 +1,9 @@
 """`kiln cache prune`: drop artifacts unused for a while, or the least recently used ones until the
 cache fits a size. A key being compiled or loaded by a running process is never touched. Compiled
 pieces kept for reuse in `<cache>/pieces` age out the same way and, under a size limit, go first:
-they only speed up compiles. (A piece cache moved elsewhere by `$KILN_PIECE_CACHE` is not this
-cache's to prune.)"""
+they only speed up compiles. So do the packed weights kept in `<cache>/packed` for faster loads
+(`kiln.kernels.pack_cache`; a process that maps one keeps reading it once removed). (A piece or pack
+cache moved elsewhere by `$KILN_PIECE_CACHE` or `$KILN_PACK_CACHE` is not this cache's to prune.)"""
 
 import logging
 import shutil
@@ -13,6 +14,7 @@ from pathlib import Path
 from kiln.cache_tools.entries import Entry, list_entries
 from kiln.compiler import artifact, usage
 from kiln.compiler.piece_cache import FOLDER, PieceCache
+from kiln.kernels import pack_cache
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +27,8 @@ class PruneReport:
     kept: list[Entry] = field(default_factory=list)
     pieces_removed: int = 0
     pieces_freed_bytes: int = 0
+    packed_removed: int = 0
+    """Files of packed weights removed (`kiln.kernels.pack_cache`); their bytes count in `pieces_freed_bytes`."""
 
     @property
     def freed_bytes(self) -> int:
@@ -38,14 +42,19 @@ def prune(cache_dir: Path, older_than: float | None = None, max_size: int | None
     reports what would go (and cannot know which keys would turn out busy)."""
     now = time.time() if now is None else now
     entries = sorted(list_entries(cache_dir), key=lambda e: e.last_activity)  # least recently used first
-    piece_entries = sorted(PieceCache(Path(cache_dir) / FOLDER).entries(), key=lambda e: e[1])
+    packed = Path(cache_dir) / pack_cache.FOLDER
+    piece_entries = sorted(PieceCache(Path(cache_dir) / FOLDER).entries() + pack_cache.entries(packed),
+                           key=lambda e: e[1])
     total = sum(e.bytes for e in entries) + sum(size for _, _, size in piece_entries)
     report = PruneReport()
-    for folder, used, size in piece_entries:
+    for path, used, size in piece_entries:
         if (older_than is not None and now - used > older_than) or (max_size is not None and total > max_size):
             if not dry_run:
-                shutil.rmtree(folder, ignore_errors=True)
-            report.pieces_removed += 1
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            if path.parent == packed:
+                report.packed_removed += 1
+            else:
+                report.pieces_removed += 1
             report.pieces_freed_bytes += size
             total -= size
     for entry in entries:

@@ -28,6 +28,7 @@ import platform
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -40,10 +41,11 @@ from kiln.compiler.aoti import CALLS_SUFFIX, LIBRARY_SUFFIX, LoadedLibrary
 from kiln.compiler.counters import counters
 from kiln.compiler.key import python_version, system_info
 from kiln.compiler.program import (RELEASED, ByTokenCount, CompiledProgram, GraphInput, PackedWeights, SizedPiece,
-                                   load_program, pack_lm_head, pack_weights)
+                                   load_program, pack_lm_head, pack_slots, pack_weights)
 from kiln.config import dtype_name
 from kiln.errors import KilnError
 from kiln.kernels import decode_attention, greedy_screen
+from kiln.kernels.pack_cache import PackFile, Slot
 
 logger = logging.getLogger(__name__)
 
@@ -384,11 +386,14 @@ def _load_library(library: Path, tensor_args: tuple[int, ...], device: str) -> L
         raise ArtifactError(f"artifact blob {library} does not load ({type(e).__name__}: {e}): {RECOMPILE}") from e
 
 
-def load(path: Path, model: nn.Module, release_weights: bool = False) -> CompiledProgram:
+def load(path: Path, model: nn.Module, release_weights: bool = False,
+         packs: Callable[[list[Slot]], PackFile] | None = None) -> CompiledProgram:
     """Load the artifact at `path` and bind it to `model`'s weights; no tracing, no compiling.
 
     `release_weights`: free the plain copy of each weight the program only reads packed
-    (`pack_weights`): the model then serves only this program, and cannot be traced or run eagerly."""
+    (`pack_weights`): the model then serves only this program, and cannot be traced or run eagerly.
+    `packs`: the cache file of packed weights for these slots (`kiln.kernels.pack_cache`), where
+    they are mapped from, or packed into, instead of memory."""
     start = time.perf_counter()
     path = Path(path)
     lease = usage.acquire(path)  # before verifying: a pruner waits for no one it cannot see
@@ -426,10 +431,14 @@ def load(path: Path, model: nn.Module, release_weights: bool = False) -> Compile
     screen = manifest.get("libraries", {}).get(greedy_screen.LIBRARY)
     screen_kernel = library(screen, greedy_screen.LIBRARY_ARGS) if screen is not None else None
     # packing last: everything that can fail has loaded, so no weight is released for a failed load
+    formats = [v.get("weight_formats", {}) for v in manifest["variants"]]
+    pack_file = packs(pack_slots(model, formats, manifest.get("lm_head"), head_gemms)) if packs is not None else None
     with ThreadPoolExecutor(1) as pool:  # the LM head packs beside the projections
-        head = pool.submit(pack_lm_head, model, manifest.get("lm_head"), head_gemms, screen_kernel)
-        packed = pack_weights(inputs, model, [v.get("weight_formats", {}) for v in manifest["variants"]],
-                              release=release_weights)
+        head = pool.submit(pack_lm_head, model, manifest.get("lm_head"), head_gemms, screen_kernel, pack_file)
+        packed = pack_weights(inputs, model, formats, release=release_weights, packs=pack_file)
+        head.result()
+    if pack_file is not None:
+        pack_file.publish()
     routes = []
     for variant, forward, weights in zip(manifest["variants"], forwards, packed):
         if weights:
@@ -439,6 +448,9 @@ def load(path: Path, model: nn.Module, release_weights: bool = False) -> Compile
     logger.info("loaded artifact %s: %d blobs in %.2fs", path.name, len(blobs), time.perf_counter() - start)
     program = CompiledProgram(ByTokenCount(routes, tokens_at), inputs, model, head.result())
     program.lease = lease  # held while the program lives: `kiln cache prune` leaves this key alone
+    program.pack_file = pack_file
+    if pack_file is not None:  # the page cache holds these, and the kernel counts it as available
+        program.reserved_bytes += pack_file.mapped_bytes
     return program
 
 

@@ -18,8 +18,9 @@ from torch import nn
 
 from kiln.compiler.cudagraph import GraphedPiece, default_capture_sizes, pad_tokens, padded_size
 from kiln.errors import KilnError
-from kiln.kernels import AttentionMetadata, packed_linear
+from kiln.kernels import AttentionMetadata, pack_cache, packed_linear
 from kiln.kernels.attention import one_batch
+from kiln.kernels.pack_cache import PackFile, Slot
 from kiln.models.lm_head import Int8Head, PackedHead
 
 logger = logging.getLogger(__name__)
@@ -114,9 +115,9 @@ class PackedWeights:
 
 
 def pack_weights(inputs: list[GraphInput], model: nn.Module, formats: list[dict[str, str]],
-                 release: bool = False) -> list[dict[int, torch.Tensor]]:
+                 release: bool = False, packs: PackFile | None = None) -> list[dict[int, torch.Tensor]]:
     """For each variant's {weight name: format}: {argument index: the packed weight}. A weight two
-    variants read in one format is packed once.
+    variants read in one format is packed once, into `packs`' file where given (`pack_slots`).
 
     `release`: a weight every variant reads packed, in one format, gives up its plain copy as soon as
     it is packed (`release_weight`), so the model holds each weight once, not twice, even while
@@ -129,7 +130,8 @@ def pack_weights(inputs: list[GraphInput], model: nn.Module, formats: list[dict[
     packed = {}
     # a weight per thread: oneDNN's reorder of one weight barely uses a second core
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:
-        for (name, fmt), weight in zip(wanted, pool.map(lambda w: packed_linear.pack(w[1], weights[w[0]]), wanted)):
+        pack = packs.pack if packs is not None else lambda name, fmt, w: packed_linear.pack(fmt, w)
+        for (name, fmt), weight in zip(wanted, pool.map(lambda w: pack(w[0], w[1], weights[w[0]]), wanted)):
             packed[name, fmt] = weight
             if name in releasable:
                 release_weight(model, name)
@@ -160,18 +162,38 @@ def _refuse_eager_run(model: nn.Module, args) -> None:
                     "compile=False to call the model itself")
 
 
+HEAD = "lm_head"
+"""The LM head's name among packed weights (a tied head's weight is the embedding's)."""
+
+
+def pack_slots(model: nn.Module, formats: list[dict[str, str]], head_choice: dict | None,
+               libraries: dict[str, Callable]) -> list[Slot]:
+    """What `pack_weights` and `pack_lm_head` will pack into a cache file (`kiln.kernels.pack_cache`):
+    the projections' plain-tensor formats, and the LM head's where it runs on a panel GEMM."""
+    weights = dict(model.named_parameters())
+    slots = [pack_cache.slot(name, fmt, weights[name]) for f in formats for name, fmt in f.items()]
+    int8_head = getattr(model, "lm_head_kernel", None)
+    if isinstance(int8_head, Int8Head):
+        if "panels16_int8" in libraries and not int8_head.packed:
+            slots.append(pack_cache.slot(HEAD, "panels16_int8", int8_head.codes))
+    elif int8_head is None and head_choice is not None and head_choice.get("format") is not None:
+        slots.append(pack_cache.slot(HEAD, head_choice["format"], model.lm_head_weight()))
+    return [s for s in slots if s is not None]
+
+
 def pack_lm_head(model: nn.Module, choice: dict | None, libraries: dict[str, Callable] | None = None,
-                 screen: Callable | None = None) -> PackedHead | None:
+                 screen: Callable | None = None, packs: PackFile | None = None) -> PackedHead | None:
     """The model's LM head as an artifact's manifest chose it (its "lm_head" entry: a packed format,
     the greedy screen's kernel), on the panel GEMM `libraries` (format -> the loaded library) it
     ships, its greedy screen on the `screen` library where it ships one; None for no format, or when
     the model has an int8 head of its own (which then runs on the int8 panel GEMM where the artifact
     ships it)."""
     libraries = libraries or {}
+    packer = functools.partial(packs.pack, HEAD) if packs is not None else None
     int8_head = getattr(model, "lm_head_kernel", None)
     if isinstance(int8_head, Int8Head):
         panels = libraries.get("panels16_int8")
-        if panels is not None and int8_head.run_on_panels(_head_gemm(panels)):
+        if panels is not None and int8_head.run_on_panels(_head_gemm(panels), packer):
             logger.info("the int8 LM head runs on the artifact's int8 panel GEMM")
         int8_head.pack()
     if choice is None or choice.get("format") is None or int8_head is not None:
@@ -179,7 +201,7 @@ def pack_lm_head(model: nn.Module, choice: dict | None, libraries: dict[str, Cal
     start = time.perf_counter()
     head = PackedHead(model.lm_head_weight(), choice["format"], gemm=_head_gemm(libraries.get(choice["format"])),
                       screen_gemm=_head_gemm(libraries.get(choice.get("screen"))),
-                      screen_library=screen if choice.get("screen") == "panels16_int8" else None)
+                      screen_library=screen if choice.get("screen") == "panels16_int8" else None, packer=packer)
     logger.info("packed the LM head in %.2fs", time.perf_counter() - start)
     return head
 
@@ -226,7 +248,10 @@ class CompiledProgram:
         self.greedy_tokens = lm_head.greedy if single and lm_head is not None and lm_head.screens else None
         """hidden -> argmax tokens without the logits, or None when it cannot tell (`PackedHead.greedy`)."""
         self.reserved_bytes = lm_head.pending_bytes if self.greedy_tokens is not None else 0
-        """Memory the program will take after the KV cache is sized (the LM head's screen, built on first use)."""
+        self.pack_file: PackFile | None = None
+        """The file its packed weights are mapped from or written to (`kiln.kernels.pack_cache`), if any."""
+        """Memory the program takes that the kernel still counts as available when the KV cache is sized:
+        the LM head's screen, built on first use, and packed weights mapped from a file (`artifact.load`)."""
         self._per_call = [(i, spec) for i, spec in enumerate(inputs) if spec.kind in ("input", "meta", "kv_cache")]
         self._sizes = [(i, spec.of, spec.dim) for i, spec in enumerate(inputs) if spec.kind == "size"]
         self.capture_sizes: tuple[int, ...] = ()

@@ -93,10 +93,20 @@ FORMATS = {f.name: f for f in (
 )}
 
 
-def pack(format_name: str, weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [N, K] as loaded -> the tensor a compiled graph passes to the format's kernel."""
+PLAIN_FORMATS = {"panels16": panel_linear.pack, "panels16_int8": panel_linear.pack_int8}
+"""The formats whose packed weight is a plain tensor of the weight's shape and dtype, which `pack` can
+write into memory given to it (`kiln.kernels.pack_cache` gives a file's)."""
+
+
+def pack(format_name: str, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`weight` [N, K] as loaded -> the tensor a compiled graph passes to the format's kernel; written
+    into `out` (contiguous, of the weight's shape and dtype) if given, for a format in PLAIN_FORMATS."""
     with torch.no_grad():
-        return FORMATS[format_name].pack(weight.detach())
+        if out is None:
+            return FORMATS[format_name].pack(weight.detach())
+        if format_name not in PLAIN_FORMATS:
+            raise ValueError(f"weight format {format_name!r} packs into memory of its own, not into `out`")
+        return PLAIN_FORMATS[format_name](weight.detach(), out=out)
 
 
 def is_packed(weight: torch.Tensor) -> bool:

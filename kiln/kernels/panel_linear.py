@@ -236,13 +236,16 @@ INT8 = PanelKernel("panel_int8_linear", INT8_SOURCE, "kiln_panel_int8_gemm", INT
                    "aoti_torch_cpu_kiln_panel_int8_linear", "-mavx512vnni", takes_bias=False)
 
 
-def pack(w: torch.Tensor) -> torch.Tensor:
-    """[N, K] fp32 weight -> the same shape and strides holding its panels, queued for huge pages
-    (`huge_pages`): a compiled graph takes it where it took the weight. N must be a multiple of PANEL."""
+def pack(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, K] fp32 weight -> the same shape and strides holding its panels: a compiled graph takes it
+    where it took the weight. Written into `out` (a contiguous [N, K] tensor of w's dtype) if given,
+    else into a tensor queued for huge pages (`huge_pages`). N must be a multiple of PANEL."""
     n, k = w.shape
-    out = huge_pages.empty((n, k), w.dtype)
+    fresh = out is None
+    out = huge_pages.empty((n, k), w.dtype) if fresh else out
     out.view(n // PANEL, k, PANEL).copy_(w.reshape(n // PANEL, PANEL, k).transpose(1, 2))
-    huge_pages.collapse_later(out)
+    if fresh:
+        huge_pages.collapse_later(out)
     return out
 
 

@@ -54,6 +54,8 @@ def screen_kernel() -> str | None:
 HeadGemm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """gemm(x, packed weight) -> [rows, vocab] fp32: a panel GEMM (`kiln.kernels.panel_linear`) as the
 artifact ships it for the head (`kiln.compiler.head_library`), or as a compile times it."""
+Packer = Callable[[str, torch.Tensor], torch.Tensor]
+"""packer(format, weight) -> the packed weight: `packed_linear.pack`, or a cache's (`kiln.kernels.pack_cache`)."""
 ScreenLibrary = Callable[..., list[torch.Tensor]]
 """The greedy screen's library (`kiln.kernels.greedy_screen`, shipped by `kiln.compiler.kernel_library`):
 (hidden, codes, scales, weight, params) -> [tokens]."""
@@ -71,11 +73,11 @@ class PackedHead:
 
     def __init__(self, weight: torch.Tensor, format: str = "onednn", screen: bool | None = None,
                  gemm: HeadGemm | None = None, screen_gemm: HeadGemm | None = None,
-                 screen_library: ScreenLibrary | None = None):
+                 screen_library: ScreenLibrary | None = None, packer: Packer | None = None):
         if (format == "panels16") != (gemm is not None):
             raise KilnError(f"an LM head packed as {format!r} runs on {'a' if gemm is None else 'no'} panel GEMM "
                             "library: pass `gemm` with \"panels16\" only")
-        self.weight = packed_linear.pack(format, weight)
+        self.weight = (packer or packed_linear.pack)(format, weight)
         self.gemm = gemm
         if screen is None:
             screen = format in ("onednn", "panels16") and weight.dtype == torch.float32 and weight.device.type == "cpu"
@@ -312,14 +314,16 @@ class Int8Head:
         elif self.kernel:
             self.codes = packed_linear.pack(self.kernel, codes)
 
-    def run_on_panels(self, gemm: HeadGemm) -> bool:
+    def run_on_panels(self, gemm: HeadGemm, packer: Packer | None = None) -> bool:
         """Run on an artifact's int8 panel GEMM (`gemm`, "panels16_int8"), which streams the head faster
-        than oneDNN's int8 GEMM on one row: the plain codes packed in panels. False, and nothing
-        changed, where the head is packed already or its shape has no panels."""
+        than oneDNN's int8 GEMM on one row: the plain codes packed in panels (by `packer`, default
+        `packed_linear.pack`). False, and nothing changed, where the head is packed already or its
+        shape has no panels."""
         if self.packed or self.codes.device.type != "cpu" or self.codes.shape[0] % panel_linear.PANEL \
                 or self.codes.shape[1] % 4:
             return False
-        self.codes, self.kernel, self.gemm = panel_linear.pack_int8(self.codes), "panels16_int8", gemm
+        self.codes, self.kernel, self.gemm = (packer or packed_linear.pack)("panels16_int8", self.codes), \
+            "panels16_int8", gemm
         self.packed = True
         return True
 

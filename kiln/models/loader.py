@@ -42,6 +42,17 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def checkpoint_identity(model_dir: Path) -> list[dict]:
+    """Each checkpoint file's path, size, modification time and inode: what tells a rewritten
+    checkpoint from the one read before, without reading its bytes."""
+    identity = []
+    for path in checkpoint_files(model_dir):
+        st = path.stat()
+        identity.append({"file": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                         "inode": st.st_ino})
+    return identity
+
+
 def checkpoint_bytes(model_dir: Path, dtype: torch.dtype) -> int:
     """Bytes the checkpoint's tensors take once loaded to run in `dtype` (floating-point tensors are
     cast to it; int8/fp8 weights stay as stored), read from the files' headers alone."""

@@ -72,12 +72,12 @@ class Engine:
         kv_memory = config.kv_cache_memory_bytes
         if kv_memory is None:
             available = available_bytes(device) // (model.layout.world_size if device.type == "cpu" else 1)
-            reserved = getattr(forward, "reserved_bytes", 0)  # what the program allocates later
+            reserved = getattr(forward, "reserved_bytes", 0)  # what the program takes that still shows as available
             kv_memory = int(available * config.memory_utilization) - activation_bytes(
                 cfg, config.max_num_batched_tokens, config.max_num_seqs) - reserved
             logger.info("KV cache budget: %.2f GiB (memory utilization %g of %.2f GiB available, less activations%s)",
                         max(kv_memory, 0) / GiB, config.memory_utilization, available / GiB,
-                        f" and {reserved / GiB:.2f} GiB the LM head's greedy screen will take" if reserved else "")
+                        f" and {reserved / GiB:.2f} GiB the program reserves" if reserved else "")
         num_blocks = num_kv_blocks(cfg, config.block_size, dtype, max(kv_memory, 0),
                                    config.max_num_seqs * self.max_model_len, kv_heads)
         if model.layout.world_size > 1:  # rank 0 schedules for all: every rank needs as many blocks

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kiln.compiler import panel_lowering
-from kiln.kernels import panel_linear
+from kiln.kernels import packed_linear, panel_linear
 from tests.cache_tools.test_commands import kiln_cache_cmd
 from tests.compiler.test_onednn_lowering import _library
 
@@ -150,6 +150,16 @@ def test_compiled_model_on_the_panel_gemm_decodes_like_eager(scheme, demo_dirs, 
     plain = compiled.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert screen.screen is not None and screen.screen.kernel == "panels16_int8" and screen.screen.fused is not None
     assert [o.token_ids for o in plain] == [o.token_ids for o in ref]
+    # the load packed into a file in the cache; a later one maps it and packs nothing
+    compiled.engine.runner.forward.pack_file.wait()
+    assert [f.name for f in (path.parent / "packed").iterdir()] == [compiled.engine.runner.forward.pack_file.path.name]
+    monkeypatch.setattr(packed_linear, "pack", lambda *args, **kwargs: pytest.fail("a load from the cache packed"))
+    again = LLM(demo_dirs["llama"], require_artifact=True, cache_dir=path.parent, quantization=scheme)
+    assert again.engine.runner.forward.pack_file.hit
+    assert len(again.engine.runner.forward.pack_file.slots) == 4 * layers + 1  # the projections and the head
+    assert again.engine.runner.forward.pack_file.slots == compiled.engine.runner.forward.pack_file.slots
+    reloaded = again.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in reloaded] == [o.token_ids for o in ref]
     for a, b in zip(got, ref):
         # int8: an activation code can round the other way after Inductor's RMSNorm (as in
         # test_quantization's test_int8_compiled_equals_int8_eager): a rare logprob moves by up to ~1e-2
