@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from kiln.cache_tools.units import format_size
-from kiln.compiler.key import cache_key, model_factors
+from kiln.compiler.key import cache_key, kiln_source_hash, model_factors
 from kiln.config import (CompileConfig, EngineConfig, ParallelConfig, cpu_has_native_bf16, default_cache_dir,
                          parse_device, parse_dtype)
 from kiln.errors import KilnError
@@ -189,7 +189,8 @@ class LLM:
             return None
         identity = {"checkpoint": checkpoint_identity(self.model_dir), "dtype": self.dtype,
                     "quantization": quantization, "lm_head_quantization": lm_head_quantization,
-                    "shard": [self.parallel.rank, self.parallel.world_size]}
+                    "shard": [self.parallel.rank, self.parallel.world_size], "torch": torch.__version__,
+                    "kiln_source": kiln_source_hash()}  # packing, loading and quantizing code
         return functools.partial(PackFile, folder, identity)
 
     def _compiled(self, cache_dir: Path, compile_config: CompileConfig, require_artifact: bool,

@@ -12,10 +12,10 @@ maps the published file read-only, and processes on one machine share its pages.
 system gives no 2 MB pages, or the cache cannot be written, weights are packed in memory as without
 this cache (`huge_pages` collapses them).
 
-A file is keyed by the checkpoint files' identity (path, size, modification time, inode), not by a
-hash of their bytes, which would cost a second a GB at every start; with what is packed (names,
-formats, shapes), the quantization, the tensor-parallel shard, torch's version and the source of
-kiln's kernels and models. The files live in `<cache>/packed/` (`$KILN_PACK_CACHE` moves them; `off`
+A file is keyed by its caller's identity of what it packs (`kiln.LLM`'s: the checkpoint files' path,
+size, modification time and inode, not a hash of their bytes, which would cost a second a GB at
+every start; the quantization, the tensor-parallel shard, torch's version and kiln's source) and by
+the slots (names, formats, shapes). The files live in `<cache>/packed/` (`$KILN_PACK_CACHE` moves them; `off`
 turns the cache off); `kiln cache prune` ages them out with the artifacts.
 """
 
@@ -38,7 +38,6 @@ from pathlib import Path
 
 import torch
 
-import kiln
 from kiln.kernels import huge_pages, packed_linear
 
 logger = logging.getLogger(__name__)
@@ -52,8 +51,6 @@ SUFFIX = ".bin"
 MAGIC = b"KILNPACK"
 ALIGN = 4096
 """Each slot's offset in the file: a page."""
-SOURCES = ("kernels", "models")
-"""kiln's folders whose code shapes a packed weight's bytes (packing, loading, quantizing)."""
 _mapped = 0
 """Bytes of packed weights this process maps from files (on 2 MB pages), over all loads."""
 MADV_POPULATE_READ = 22
@@ -99,22 +96,10 @@ def slot(name: str, format: str, weight: torch.Tensor) -> Slot | None:
     return Slot(name, format, tuple(weight.shape), str(weight.dtype).removeprefix("torch."))
 
 
-@functools.cache
-def source_hash() -> str:
-    """sha256 over kiln's sources that shape packed bytes (SOURCES): an edited kernel rekeys."""
-    root = Path(kiln.__file__).parent
-    h = hashlib.sha256()
-    for part in SOURCES:
-        for f in sorted((root / part).rglob("*.py")):
-            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()
-
-
 def cache_key(identity: dict, slots: list[Slot]) -> str:
-    """The file name's key: `identity` (the checkpoint's files, the quantization, the shard) and the
-    slots, under this layout's version, torch's and kiln's source."""
-    blob = json.dumps({"version": VERSION, "torch": torch.__version__, "source": source_hash(), "identity": identity,
-                       "slots": [asdict(s) for s in slots]}, sort_keys=True)
+    """The file name's key: `identity` (whatever tells what the packed bytes came from) and the
+    slots, under this layout's version."""
+    blob = json.dumps({"version": VERSION, "identity": identity, "slots": [asdict(s) for s in slots]}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 

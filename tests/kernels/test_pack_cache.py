@@ -2,11 +2,13 @@
 numbers on a hit without packing; keyed by what was packed; repacked, or packed in memory, where the
 file cannot serve."""
 
+import gc
 import logging
 import os
 import subprocess
 import sys
 import time
+import weakref
 
 import pytest
 import torch
@@ -157,3 +159,4 @@ def test_prune_ages_packed_weights_out_and_a_mapped_file_stays_readable(tmp_path
     assert sorted(folder.iterdir()) == [new.path]
     assert torch.equal(mapped, panel_linear.pack(weights["big"]))  # the removed file, still mapped here
     assert prune(tmp_path, max_size=0).packed_removed == 1 and not list(folder.iterdir())
+
