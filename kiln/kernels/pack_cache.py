@@ -216,7 +216,10 @@ class PackFile:
             warnings.simplefilter("ignore", UserWarning)
             buffer = torch.frombuffer(mapping, dtype=torch.uint8)
         self._views = {(s.name, s.format): _view(buffer, o, s) for s, o in zip(self.slots, offsets)}
-        os.utime(self.path)  # its last use, which `kiln cache prune` ages by
+        try:
+            os.utime(self.path)  # its last use, which `kiln cache prune` ages by
+        except OSError:  # a read-only cache still serves its files
+            pass
         if not _on_huge_pages(buffer):
             logger.info("%s is not on 2 MB pages here: its packed weights copied into memory for them", self.path)
             self._views = {k: _copy_for_huge_pages(v) for k, v in self._views.items()}

@@ -160,3 +160,15 @@ def test_prune_ages_packed_weights_out_and_a_mapped_file_stays_readable(tmp_path
     assert torch.equal(mapped, panel_linear.pack(weights["big"]))  # the removed file, still mapped here
     assert prune(tmp_path, max_size=0).packed_removed == 1 and not list(folder.iterdir())
 
+
+def test_a_read_only_cache_still_serves_its_files(tmp_path, weights, monkeypatch):
+    pack_all(PackFile(tmp_path, IDENTITY, slots(weights)), weights)
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Read-only file system")
+
+    monkeypatch.setattr(os, "utime", read_only)
+    hit = PackFile(tmp_path, IDENTITY, slots(weights))
+    assert hit.hit and torch.equal(hit.pack("small", "panels16", weights["small"]),
+                                   panel_linear.pack(weights["small"]))
+
