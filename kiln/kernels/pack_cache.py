@@ -172,13 +172,12 @@ class PackFile:
 
         self._publisher = threading.Thread(target=durable, name="kiln-pack-cache", daemon=True)
         self._publisher.start()
-        atexit.register(self.wait)
+        atexit.register(_finish, self._publisher, self.path)  # the thread only: the mapping goes with its views
 
     def wait(self) -> None:
         """Wait until a file being published is in place."""
-        if self._publisher is not None and self._publisher.is_alive():
-            logger.info("waiting for the packed weights to reach %s", self.path)
-            self._publisher.join()
+        if self._publisher is not None:
+            _finish(self._publisher, self.path)
 
     # ---- the file ----
 
@@ -262,6 +261,12 @@ class PackFile:
         if self._tmp is not None:
             self._tmp.unlink(missing_ok=True)
             self._tmp = None
+
+
+def _finish(publisher: threading.Thread, path: Path) -> None:
+    if publisher.is_alive():
+        logger.info("waiting for the packed weights to reach %s", path)
+        publisher.join()
 
 
 def entries(folder: Path) -> list[tuple[Path, float, int]]:

@@ -172,3 +172,12 @@ def test_a_read_only_cache_still_serves_its_files(tmp_path, weights, monkeypatch
     assert hit.hit and torch.equal(hit.pack("small", "panels16", weights["small"]),
                                    panel_linear.pack(weights["small"]))
 
+
+def test_a_published_file_is_freed_with_its_weights(tmp_path, weights):
+    """Waiting for the file at exit holds the writing thread only, not the file's mapping."""
+    packs = PackFile(tmp_path, IDENTITY, slots(weights))
+    packed = pack_all(packs, weights)
+    gone = weakref.ref(packs)
+    del packs, packed
+    gc.collect()
+    assert gone() is None
