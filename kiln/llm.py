@@ -104,7 +104,9 @@ class LLM:
         forward = None
         self.artifact_path: Path | None = None
         """The compiled artifact this LLM runs (compile=True only)."""
-        self._packs = self._pack_file(Path(cache_dir or default_cache_dir()), self.quantization, lm_head_quantization)
+        self._packs = None  # eager: nothing is packed
+        if artifact is not None or compile or require_artifact:
+            self._packs = self._pack_file(Path(cache_dir or default_cache_dir()), self.quantization, lm_head_quantization)
         if artifact is not None:  # this artifact and no other: never compiles
             from kiln.compiler import artifact as artifacts
 
