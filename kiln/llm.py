@@ -219,7 +219,9 @@ class LLM:
         prompts: str | list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion in continuous batches; results come back in prompt order."""
+        """Run every prompt to completion in continuous batches; results come back in prompt order. A
+        request that fails on its own (every token masked, say) comes back with finish reason "error"
+        and the exception in `error`; the others are unaffected."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()

@@ -16,8 +16,10 @@ from kiln.runtime.kv_cache import allocate_kv_caches, num_kv_blocks
 from kiln.runtime.memory import GiB, activation_bytes, available_bytes
 from kiln.runtime.runner import ForwardFn, ModelRunner
 from kiln.runtime.penalties import adjust_logits, needs_adjusting
+from kiln.runtime.penalties import prepare as prepare_adjustment
 from kiln.runtime.sampler import GREEDY_BELOW, SampleResult, SamplingParams, sample, token_logprobs
 from kiln.runtime.scheduler import Scheduler, Sequence
+from kiln.runtime.stop_strings import StopStrings
 from kiln.runtime.structured_output import GrammarBackend, apply_masks, fill_masks
 from kiln.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -36,14 +38,18 @@ class RequestOutput:
     top_logprobs: list[dict[int, float]] | None
     """The top-k alternatives at each step, when SamplingParams.logprobs > 0."""
     finish_reason: str | None
-    """"stop" (EOS, stop token or stop string), "length" (max_tokens or max_model_len), "abort";
-    None while the request runs."""
+    """"stop" (EOS, stop token or stop string), "length" (max_tokens or max_model_len), "abort",
+    "error" (then `error` says why); None while the request runs."""
     prompt_logprobs: list[float | None] | None = None
     """Each prompt token's logprob (None for the first), when SamplingParams.prompt_logprobs is set."""
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
     """The top-k alternatives at each prompt position, when SamplingParams.prompt_logprobs > 0."""
     prompt_ranks: list[int | None] | None = None
     """Each prompt token's rank in its position's distribution (1: the most likely)."""
+    error: Exception | None = None
+    """Why the request failed (finish reason "error"): a KilnError when the request itself cannot go on
+    (every token masked, a grammar llguidance gives up on), another exception for a failure inside
+    kiln. Either way the step's other requests went on."""
 
     @property
     def finished(self) -> bool:
@@ -115,18 +121,21 @@ class Engine:
         steps change, so any thread may call it."""
         if not prompt_token_ids:
             raise KilnError("the prompt is empty: give at least one token")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise KilnError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         if len(prompt_token_ids) >= self.max_model_len:
             raise KilnError(
                 f"the prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len}, "
                 "which leaves no room to generate"
             )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise KilnError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         bad = next((t for t in (*params.logit_bias, *params.stop_token_ids) if not 0 <= t < vocab), None)
         if bad is not None:
             raise KilnError(f"token id {bad} (in logit_bias or stop_token_ids) is outside the vocabulary [0, {vocab})")
+        if params.min_tokens and len(self.eos_token_ids | set(params.stop_token_ids)) >= vocab:
+            raise KilnError(f"stop_token_ids and EOS cover all {vocab} tokens, and min_tokens bans them all: no "
+                            "token could be sampled; lower min_tokens or give fewer stop_token_ids")
         if params.stop and self.tokenizer is None:
             raise KilnError("stop strings need a tokenizer, and this model directory has none")
         if params.structured_output is not None:
@@ -145,6 +154,10 @@ class Engine:
             raise KilnError(f"request id {request_id!r} is already in use")
         gen = torch.Generator(self.runner.device).manual_seed(params.seed) if params.seed is not None else None
         seq = Sequence(request_id, list(prompt_token_ids), params, gen)
+        seq.adjustment = prepare_adjustment(params, self.eos_token_ids, seq.prompt_token_ids,
+                                            self.model_config.vocab_size, self.runner.device)
+        seq.stops = StopStrings(params.stop) if params.stop else None
+        seq.stop_ids = frozenset(params.stop_token_ids)
         if params.structured_output is not None:
             seq.matcher = self.grammars.matcher(params.structured_output)
         if self.tokenizer is not None:
@@ -166,7 +179,10 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return the progress of every request that got a token in it (finished or not)."""
+        """Run one batch; return the progress of every request that got a token in it (finished or not),
+        and of every request that failed in it. Whatever one request's own work raises (scoring its
+        prompt, adjusting or masking its logits, sampling, its grammar, detokenizing, stop checks) ends
+        that request alone with finish reason "error"; only a failure of the batch's forward raises."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.has_unfinished():
@@ -178,41 +194,109 @@ class Engine:
                    if s.params.prompt_logprobs is not None and len(s.prompt_logprobs) < len(s.prompt_token_ids)]
         sampling = [batch.seqs[i] for i in rows]
         guided = [j for j, s in enumerate(sampling) if s.matcher is not None]
-        matchers, masks = [sampling[j].matcher for j in guided], None
+        masks = None
         if guided and self.runner.device.type == "cuda":  # a CPU thread computes the masks while the GPU runs
             self._masks = self._masks or ThreadPoolExecutor(1, thread_name_prefix="kiln-grammar")
-            masks = self._masks.submit(fill_masks, matchers, self.model_config.vocab_size)
-        params = [s.params for s in sampling]
-        greedy = bool(params) and not guided and all(plain_greedy(p) for p in params)  # a prefill chunk samples none
+            masks = self._masks.submit(fill_masks, [sampling[j].matcher for j in guided], self.model_config.vocab_size)
+        greedy = bool(sampling) and not guided and all(plain_greedy(s.params) for s in sampling)  # a prefill chunk samples none
         logits, every, tokens = self.runner.execute(batch, rows, scoring, greedy)
+        failed: dict[str, Exception] = {}
         for i, chunk in zip(scoring, every):
-            self._score_prompt(batch.seqs[i], chunk)
+            try:
+                self._score_prompt(batch.seqs[i], chunk)
+            except Exception as e:  # noqa: BLE001 - this request's failure, not the step's
+                failed.setdefault(batch.seqs[i].request_id, e)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             self.scheduler.computed(seq, n)
         if tokens is not None:
-            result = SampleResult(tokens.tolist(), [None] * len(rows), [None] * len(rows))
+            result = SampleResult(tokens.tolist(), [None] * len(rows), [None] * len(rows), [None] * len(rows))
         else:
-            adjusted = adjust_logits(logits, params, [s.prompt_token_ids for s in sampling],
-                                     [s.output_token_ids for s in sampling], self.eos_token_ids)
-            if guided:  # on CPU the forward keeps every core busy: masks computed beside it, or prefetched on a
-                # thread between steps, measured slower than here (benchmarks/structured_output.py)
-                adjusted = logits.clone() if adjusted is logits else adjusted
-                bitmask = masks.result() if masks is not None else fill_masks(matchers, self.model_config.vocab_size)
-                apply_masks(adjusted, guided, bitmask)
-            result = sample(logits, params, [s.generator for s in sampling], self.default_generator, adjusted)
+            result = self._sample(sampling, guided, masks, logits, failed)
         outputs = []
         for seq, token, logprob, top in zip(sampling, result.token_ids, result.logprobs, result.top_logprobs):
-            seq.token_ids.append(token)
-            seq.logprobs.append(logprob)
-            seq.top_logprobs.append(top)
-            if seq.matcher is not None and not seq.matcher.accept(token):
-                raise RuntimeError(f"request {seq.request_id}: sampled token {token} breaks its grammar")
-            delta = seq.detokenizer.add(token) if seq.detokenizer is not None else ""
-            reason, cut = self._check_stop(seq, token, len(delta))
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-            outputs.append(self._output(seq, cut))
+            if seq.request_id in failed:
+                continue
+            try:
+                outputs.append(self._advance(seq, token, logprob, top))
+            except Exception as e:  # noqa: BLE001
+                failed[seq.request_id] = e
+        outputs += [self._fail(seq, failed[seq.request_id]) for seq in batch.seqs if seq.request_id in failed]
         return outputs
+
+    def _sample(self, sampling: list[Sequence], guided: list[int], masks, logits: torch.Tensor,
+                failed: dict[str, Exception]) -> SampleResult:
+        """One token per sequence from its row of `logits`, after its biases, penalties and grammar mask.
+        Batched; where the batch raises, row by row, so that a failure is only the row's own."""
+        outputs, adjustments = [s.output_token_ids for s in sampling], [s.adjustment for s in sampling]
+        try:
+            adjusted = adjust_logits(logits, adjustments, outputs)
+        except Exception:  # noqa: BLE001
+            adjusted = logits.clone()
+            for j, seq in enumerate(sampling):
+                try:
+                    adjusted[j:j + 1] = adjust_logits(logits[j:j + 1], adjustments[j:j + 1], outputs[j:j + 1])
+                except Exception as e:  # noqa: BLE001
+                    failed.setdefault(seq.request_id, e)
+        if guided:  # on CPU the forward keeps every core busy: masks computed beside it, or prefetched on a
+            # thread between steps, measured slower than here (benchmarks/structured_output.py)
+            adjusted = logits.clone() if adjusted is logits else adjusted
+            matchers = [sampling[j].matcher for j in guided]
+            bitmask, errors = masks.result() if masks is not None else fill_masks(matchers, self.model_config.vocab_size)
+            for j, error in zip(guided, errors):
+                if error is not None:
+                    failed.setdefault(sampling[j].request_id, error)
+            apply_masks(adjusted, guided, bitmask)
+        params, generators = [s.params for s in sampling], [s.generator for s in sampling]
+        drawing = {id(g): g for g in [*generators, self.default_generator] if g is not None}
+        states = {key: g.get_state() for key, g in drawing.items()}
+        try:
+            result = sample(logits, params, generators, self.default_generator, adjusted)
+        except Exception:  # noqa: BLE001 - again row by row, from the same random state
+            for key, g in drawing.items():
+                g.set_state(states[key])
+            result = SampleResult([0] * len(sampling), [None] * len(sampling), [None] * len(sampling),
+                                  [None] * len(sampling))
+            for j in range(len(sampling)):
+                try:
+                    one = sample(logits[j:j + 1], params[j:j + 1], generators[j:j + 1], self.default_generator,
+                                 adjusted[j:j + 1])
+                except Exception as e:  # noqa: BLE001
+                    result.failures[j] = e
+                    continue
+                result.token_ids[j], result.logprobs[j] = one.token_ids[0], one.logprobs[0]
+                result.top_logprobs[j], result.failures[j] = one.top_logprobs[0], one.failures[0]
+        for seq, failure in zip(sampling, result.failures):
+            if failure is not None:
+                failed.setdefault(seq.request_id, failure)
+        return result
+
+    def _advance(self, seq: Sequence, token: int, logprob: float | None, top: dict[int, float] | None
+                 ) -> RequestOutput:
+        """Append the sampled token to `seq`, check its grammar and stop conditions, and snapshot it."""
+        seq.token_ids.append(token)
+        seq.logprobs.append(logprob)
+        seq.top_logprobs.append(top)
+        if seq.matcher is not None and not seq.matcher.accept(token):
+            raise _grammar_refusal(seq, token)
+        delta = seq.detokenizer.add(token) if seq.detokenizer is not None else ""
+        reason, cut = self._check_stop(seq, token, len(delta))
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return self._output(seq, cut)
+
+    def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
+        """End `seq` with finish reason "error" and free its blocks; its traceback is logged here, once."""
+        if isinstance(error, KilnError):
+            logger.warning("request %s failed: %s", seq.request_id, error)
+        else:
+            logger.error("request %s failed", seq.request_id, exc_info=error)
+        if seq in self.scheduler.running:
+            self.scheduler.finish(seq, "error")
+        seq.finish_reason = "error"
+        return RequestOutput(
+            request_id=seq.request_id, prompt=self._prompts.pop(seq.request_id, None),
+            prompt_token_ids=seq.prompt_token_ids, token_ids=list(seq.output_token_ids), text="", logprobs=None,
+            top_logprobs=None, finish_reason="error", error=error)
 
     @staticmethod
     def _score_prompt(seq: Sequence, logits: torch.Tensor) -> None:
@@ -236,13 +320,11 @@ class Engine:
         p = seq.params
         if len(seq.output_token_ids) < p.min_tokens:
             return ("length", None) if len(seq.token_ids) >= self.max_model_len else (None, None)
-        if p.stop and new_chars:
-            text = seq.detokenizer.text
-            tail = len(text) - new_chars
-            cuts = [i for i in (text.find(s, max(tail - len(s) + 1, 0)) for s in p.stop) if i >= 0]
-            if cuts:
-                return "stop", min(cuts)
-        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
+        if seq.stops is not None and new_chars:
+            cut = seq.stops.find(seq.detokenizer.text, new_chars)
+            if cut is not None:
+                return "stop", cut
+        if token in seq.stop_ids or (token in self.eos_token_ids and not p.ignore_eos):
             return "stop", None
         if seq.matcher is not None and seq.matcher.done:
             return "stop", None
@@ -256,8 +338,8 @@ class Engine:
         text = seq.detokenizer.text if seq.detokenizer is not None else ""
         if cut is not None:
             text = text[:cut]
-        elif seq.finish_reason is None and seq.params.stop:
-            text = text[: max(len(text) - max(len(s) for s in seq.params.stop) + 1, 0)]
+        elif seq.finish_reason is None and seq.stops is not None:
+            text = text[: max(len(text) - seq.stops.longest + 1, 0)]
         want = seq.params.logprobs is not None
         finished = seq.finish_reason is not None
         return RequestOutput(
@@ -273,6 +355,15 @@ class Engine:
             prompt_top_logprobs=list(seq.prompt_top_logprobs) if seq.params.prompt_logprobs else None,
             prompt_ranks=list(seq.prompt_ranks) if seq.params.prompt_logprobs is not None else None,
         )
+
+
+def _grammar_refusal(seq: Sequence, token: int) -> Exception:
+    """Why the grammar refused a token its own mask allowed: llguidance gave up (the request's doing),
+    or, never expected, a disagreement between the mask and the matcher."""
+    reason = seq.matcher.error
+    if reason is not None:
+        return KilnError(f"structured output: llguidance stopped this request's grammar: {reason}")
+    return RuntimeError(f"sampled token {token} breaks the request's grammar")
 
 
 def plain_greedy(p: SamplingParams) -> bool:

@@ -37,8 +37,10 @@ def apply(engine: Engine, message: Message) -> None:
     _, request_id, ids, params, prompt = message
     try:
         engine.add_request(ids, params, prompt, request_id=request_id)
-    except KilnError:
-        pass
+    except Exception as e:  # noqa: BLE001 - rank 0 failed it too, and its abort follows
+        if not isinstance(e, KilnError):
+            logger.error("request %s failed to start on this rank", request_id, exc_info=e)
+        engine.abort(request_id)
 
 
 class StepFeed:

@@ -1,8 +1,9 @@
 """What a request does to the logits before sampling: `logit_bias`, `min_tokens`, and the repetition,
-frequency and presence penalties, with vLLM's formulas. Vectorized over the rows that ask for any of
-them; a batch where none does pays nothing."""
+frequency and presence penalties, with vLLM's formulas. Each request's share is prepared once when it
+is admitted; a batch where no request asks for any pays nothing."""
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -14,8 +15,39 @@ def needs_adjusting(p: SamplingParams) -> bool:
                 or p.repetition_penalty != 1.0)
 
 
-def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
-                  outputs: Sequence[Sequence[int]], eos_token_ids: set[int]) -> torch.Tensor:
+@dataclass(frozen=True)
+class Adjustment:
+    """One request's changes to its logits, as tensors built once when it is admitted: a request with a
+    large `logit_bias` or many `stop_token_ids` pays for them there, not in every step it shares."""
+
+    params: SamplingParams
+    bias_ids: torch.Tensor | None
+    bias_values: torch.Tensor | None
+    banned: torch.Tensor | None
+    """EOS and `stop_token_ids`: -inf until `min_tokens` tokens are generated."""
+    in_prompt: torch.Tensor | None
+    """[vocab] bool, the tokens of the prompt, for `repetition_penalty` (the prompt is not counted again
+    each step)."""
+
+
+def prepare(params: SamplingParams, eos_token_ids: set[int], prompt: Sequence[int], vocab: int,
+            device: torch.device) -> Adjustment | None:
+    """The request's `Adjustment`, or None when it changes nothing."""
+    if not needs_adjusting(params):
+        return None
+    bias_ids = bias_values = banned = in_prompt = None
+    if params.logit_bias:
+        bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=device)
+        bias_values = torch.tensor(list(params.logit_bias.values()), device=device)
+    if params.min_tokens:
+        banned = torch.tensor(sorted(eos_token_ids | set(params.stop_token_ids)), dtype=torch.long, device=device)
+    if params.repetition_penalty != 1.0:
+        in_prompt = _counts([prompt], vocab, device)[0] > 0
+    return Adjustment(params, bias_ids, bias_values, banned, in_prompt)
+
+
+def adjust_logits(logits: torch.Tensor, adjustments: Sequence[Adjustment | None],
+                  outputs: Sequence[Sequence[int]]) -> torch.Tensor:
     """The logits [rows, vocab] as the sampler should see them; `logits` itself is left as it is (its
     log-softmax is what logprobs report). For each row, in this order:
 
@@ -26,27 +58,24 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], prompt
     - `frequency_penalty` f and `presence_penalty` p subtract f * count(t) + p * (count(t) > 0),
       counting t among the generated tokens only.
     """
-    rows = [i for i, p in enumerate(params) if needs_adjusting(p)]
+    rows = [i for i, a in enumerate(adjustments) if a is not None]
     if not rows:
         return logits
     out = logits.clone()
     vocab, device = logits.shape[-1], logits.device
+    params = {i: adjustments[i].params for i in rows}
 
-    bias = [(i, t, v) for i in rows for t, v in params[i].logit_bias.items()]
-    if bias:
-        r, t, v = zip(*bias)
-        out.index_put_((_ids(r, device), _ids(t, device)), torch.tensor(v, dtype=out.dtype, device=device),
-                       accumulate=True)
-
-    banned = [(i, t) for i in rows if len(outputs[i]) < params[i].min_tokens
-              for t in eos_token_ids | set(params[i].stop_token_ids)]
-    if banned:
-        r, t = zip(*banned)
-        out[_ids(r, device), _ids(t, device)] = float("-inf")
+    for i in rows:
+        a = adjustments[i]
+        if a.bias_ids is not None:
+            out[i].index_add_(0, a.bias_ids, a.bias_values.to(out.dtype))
+        if a.banned is not None and len(outputs[i]) < a.params.min_tokens:
+            out[i].index_fill_(0, a.banned, float("-inf"))
 
     rep = [i for i in rows if params[i].repetition_penalty != 1.0]
     if rep:
-        seen = _counts([list(prompts[i]) + list(outputs[i]) for i in rep], vocab, device) > 0
+        seen = (_counts([outputs[i] for i in rep], vocab, device) > 0) | torch.stack(
+            [adjustments[i].in_prompt for i in rep])
         penalty = torch.tensor([params[i].repetition_penalty for i in rep], dtype=out.dtype, device=device)[:, None]
         x = out[rep]
         out[rep] = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
@@ -58,10 +87,6 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams], prompt
         pres = torch.tensor([params[i].presence_penalty for i in additive], dtype=out.dtype, device=device)[:, None]
         out[additive] -= freq * counts + pres * (counts > 0)
     return out
-
-
-def _ids(values, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
 
 
 def _counts(token_lists: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, and logprobs (penalties and
 biases adjust the logits first: `penalties.py`)."""
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +23,8 @@ class SamplingParams:
     min_p: float = 0.0
     """Keep tokens at least this fraction as likely as the most likely one; 0 keeps all."""
     seed: int | None = None
-    """Per-request seed: the same seed gives the same tokens whatever else is in the batch."""
+    """Per-request seed, a signed 64-bit integer: the same seed gives the same tokens whatever else is
+    in the batch."""
     stop: list[str] = field(default_factory=list)
     """Stop strings: generation ends when one appears; the text is cut before it."""
     stop_token_ids: list[int] = field(default_factory=list)
@@ -50,6 +52,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise KilnError(f"seed must be a signed 64-bit integer, in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
         if self.max_tokens < 1:
             raise KilnError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -81,6 +85,9 @@ class SamplingParams:
                             "output ends")
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+"""The seeds a request may give (vLLM's range); torch's generator refuses some outside it."""
+
 GREEDY_BELOW = 1e-5
 """Temperatures under this sample greedily (as vLLM does): dividing by 1e-300 overflows the logits."""
 
@@ -91,6 +98,8 @@ class SampleResult:
     logprobs: list[float | None]
     """The chosen token's logprob, for the rows that asked for logprobs (None for the others)."""
     top_logprobs: list[dict[int, float] | None]
+    failures: list[Exception | None] = field(default_factory=list)
+    """Per row, why it has no token (its entry in `token_ids` is then meaningless), or None."""
 
 
 def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
@@ -133,15 +142,16 @@ under 1.8e-35 each, 3e-30 for all of a 151936-token vocabulary): its weight woul
 float, on which exp and sums run many times slower (a 16-row step took 15 ms to exponentiate)."""
 
 
-def draw(logits: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
+def draw(logits: torch.Tensor, generators: list[torch.Generator]) -> list[int | None]:
     """One token per row of `logits` [rows, vocab] (-inf: never drawn; overwritten), with probability
     softmax(row), by inverse transform sampling: one uniform draw per row from its generator, found
     first among the sums of blocks of DRAW_BLOCK weights, then inside its block (cumulative sums in
-    fp64). torch.multinomial draws an exponential per token instead: 2.2 ms a row for a 151936-token
-    vocabulary on a 2-core EPYC, against 0.15 ms so. Computed in place: a fresh [16, 151936] tensor
-    costs more in page faults than in arithmetic."""
+    fp64). torch.multinomial draws an exponential per token instead, many times slower over a large
+    vocabulary. Computed in place: a fresh [16, 151936] tensor costs more in page faults than in
+    arithmetic. A row with nothing to draw (every logit -inf, or a NaN or inf among them) gets None,
+    and its generator is left untouched."""
     rows, vocab = logits.shape
-    shifted = logits.sub_(logits.amax(-1, keepdim=True))  # NaN throughout a row with a NaN or an inf: refused below
+    shifted = logits.sub_(logits.amax(-1, keepdim=True))  # NaN throughout a row with a NaN or an inf
     floor = torch.tensor(-DRAW_FLOOR, device=logits.device).exp()
     weights = shifted.clamp_(min=-DRAW_FLOOR).exp_()
     weights = weights.masked_fill_(weights <= floor, 0.0)
@@ -150,14 +160,20 @@ def draw(logits: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
     blocks = weights.view(rows, -1, DRAW_BLOCK)
     cumulative = blocks.sum(-1).cumsum(-1, dtype=torch.float64)  # [rows, blocks]
     total = cumulative[:, -1]
-    if not bool((torch.isfinite(total) & (total > 0)).all()):
-        raise RuntimeError("sampling: the logits hold NaN or inf (the probability tensor contains either inf or nan)")
+    drawable = (torch.isfinite(total) & (total > 0)).tolist()
+    good = [row for row, ok in enumerate(drawable) if ok]
+    if len(good) < rows:
+        if not good:
+            return [None] * rows
+        blocks, cumulative, total = blocks[good], cumulative[good], total[good]
+        generators = [generators[row] for row in good]
     uniform = torch.cat([torch.rand(1, dtype=torch.float64, device=logits.device, generator=g) for g in generators])
     target = uniform * total
     block = _first_above(cumulative, target)
     before = torch.where(block > 0, cumulative.gather(1, (block - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
-    inside = blocks[torch.arange(rows, device=logits.device), block].cumsum(-1, dtype=torch.float64)
-    return (block * DRAW_BLOCK + _first_above(inside, target - before)).tolist()
+    inside = blocks[torch.arange(len(good), device=logits.device), block].cumsum(-1, dtype=torch.float64)
+    drawn = iter((block * DRAW_BLOCK + _first_above(inside, target - before)).tolist())
+    return [next(drawn) if ok else None for ok in drawable]
 
 
 def _first_above(cumulative: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -178,15 +194,17 @@ def sample(
     adjusted: torch.Tensor | None = None,
 ) -> SampleResult:
     """Pick one token per row of fp32 logits [num_seqs, vocab], from `adjusted` where given (the
-    logits after penalties and biases).
+    logits after penalties, biases and grammar masks).
 
     Reported logprobs are of the model's raw distribution (before penalties, temperature and
     filtering, as vLLM's default), for the rows that ask for them only: a log-softmax over a large
-    vocabulary costs a millisecond a row.
+    vocabulary costs a millisecond a row. A row with no token to pick fails alone (`SampleResult.failures`).
     """
     adjusted = logits if adjusted is None else adjusted
-    tokens = greedy(adjusted).tolist()
-    sampled = [row for row, p in enumerate(params) if p.temperature >= GREEDY_BELOW]
+    best = greedy(adjusted)
+    failures = _unsampleable(adjusted.gather(1, best[:, None]).squeeze(1))
+    tokens = best.tolist()
+    sampled = [row for row, p in enumerate(params) if p.temperature >= GREEDY_BELOW and failures[row] is None]
     if sampled:
         temperatures = torch.tensor([params[r].temperature for r in sampled], device=adjusted.device)
         scaled = (adjusted if len(sampled) == len(params) else adjusted[sampled]) / temperatures[:, None]
@@ -196,15 +214,33 @@ def sample(
                 scaled[i] = _filter(scaled[i], p.top_k, p.top_p, p.min_p)
         drawn = draw(scaled, [generators[r] or default_generator for r in sampled])
         for row, token in zip(sampled, drawn):
-            tokens[row] = token
+            if token is None:  # the largest logit is finite, so filtering keeps it: never expected
+                failures[row] = RuntimeError("sampling found no token to draw after temperature and filtering")
+            else:
+                tokens[row] = token
     chosen: list[float | None] = [None] * len(params)
     top: list[dict[int, float] | None] = [None] * len(params)
-    rows = [row for row, p in enumerate(params) if p.logprobs is not None]
+    rows = [row for row, p in enumerate(params) if p.logprobs is not None and failures[row] is None]
     if rows:
         found, alts = token_logprobs(logits[rows], [tokens[r] for r in rows], [params[r].logprobs for r in rows])
         for row, value, alt in zip(rows, found, alts):
             chosen[row], top[row] = value, alt
-    return SampleResult(tokens, chosen, top)
+    return SampleResult(tokens, chosen, top, failures)
+
+
+def _unsampleable(peaks: torch.Tensor) -> list[Exception | None]:
+    """Per row, from its largest adjusted logit: why no token can be picked from it, or None. Every
+    logit -inf is the request's own doing (a KilnError); a NaN or inf is the model's."""
+    failures: list[Exception | None] = [None] * len(peaks)
+    if bool(torch.isfinite(peaks).all()):
+        return failures
+    for row, peak in enumerate(peaks.tolist()):
+        if peak == float("-inf"):
+            failures[row] = KilnError("no token can be sampled: every token is masked for this request (by "
+                                      "stop_token_ids and EOS under min_tokens, or by its structured output)")
+        elif not math.isfinite(peak):
+            failures[row] = RuntimeError(f"the model's logits for this request hold {peak}: no token can be sampled")
+    return failures
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int], ranks: bool = False):

@@ -11,7 +11,9 @@ import torch
 
 from kiln.config import EngineConfig
 from kiln.runtime.kv_cache import BlockAllocator, block_hashes
+from kiln.runtime.penalties import Adjustment
 from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.stop_strings import StopStrings
 from kiln.runtime.structured_output import GrammarMatcher
 from kiln.runtime.tokenizer import IncrementalDetokenizer
 
@@ -48,6 +50,12 @@ class Sequence:
     """Content hashes of the full blocks among `block_ids` (prefix caching)."""
     matcher: GrammarMatcher | None = None
     """Where the output stands in its structured-output grammar, if it has one."""
+    adjustment: Adjustment | None = None
+    """Its biases and bans as tensors, prepared when it was added (None: it adjusts no logits)."""
+    stops: StopStrings | None = None
+    """Its stop strings, prepared for the search each new token makes (None: it has none)."""
+    stop_ids: frozenset[int] = frozenset()
+    """Its `stop_token_ids`, as a set."""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

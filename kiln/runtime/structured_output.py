@@ -57,6 +57,13 @@ class GrammarMatcher:
         return self._m.consume_token(token)
 
     @property
+    def error(self) -> str | None:
+        """Why the grammar cannot go on (llguidance's first line: it may append the whole grammar), or None."""
+        if not self._m.is_error():
+            return None
+        return self._m.get_error().strip().splitlines()[0][:500]
+
+    @property
     def done(self) -> bool:
         """The grammar is complete (or can go no further): the request stops here."""
         return self._m.is_stopped()
@@ -106,13 +113,23 @@ class GrammarBackend:
         return GrammarMatcher(matcher)
 
 
-def fill_masks(matchers: list[GrammarMatcher], vocab_size: int) -> torch.Tensor:
-    """[len(matchers), words] int32 bitmask of each matcher's allowed next tokens. One at a time: with
-    the step's torch threads still spinning, llguidance's parallel executor measured slower."""
-    bitmask = torch.empty(len(matchers), (vocab_size + 31) // 32, dtype=torch.int32)
-    for row, matcher in zip(bitmask, matchers):
-        matcher.fill_mask(row)
-    return bitmask
+def fill_masks(matchers: list[GrammarMatcher], vocab_size: int) -> tuple[torch.Tensor, list[Exception | None]]:
+    """[len(matchers), words] int32 bitmask of each matcher's allowed next tokens, and per matcher why
+    it could not give one (its grammar too complex for llguidance, or any failure), or None: that
+    request fails alone. One at a time: with the step's torch threads still spinning, llguidance's
+    parallel executor measured slower."""
+    bitmask = torch.zeros(len(matchers), (vocab_size + 31) // 32, dtype=torch.int32)
+    errors: list[Exception | None] = [None] * len(matchers)
+    for i, (row, matcher) in enumerate(zip(bitmask, matchers)):
+        try:
+            matcher.fill_mask(row)
+            reason = matcher.error
+        except Exception as e:  # noqa: BLE001 - one request's grammar fails that request only
+            errors[i] = e
+            continue
+        if reason is not None:
+            errors[i] = KilnError(f"structured output: llguidance stopped this request's grammar: {reason}")
+    return bitmask, errors
 
 
 def apply_masks(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:

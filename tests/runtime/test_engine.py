@@ -107,3 +107,53 @@ def test_min_tokens_holds_off_eos_and_stop_tokens(llm):
     out = llm.generate(["The kiln"], held)[0]
     assert eos not in out.token_ids[:3] and 7 not in out.token_ids[:3]
     assert len(out.token_ids) == 4 and out.token_ids[3] == eos and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stage", ["_score_prompt", "_check_stop", "_output"])
+def test_a_request_that_raises_fails_alone_and_frees_its_blocks(llm, monkeypatch, stage):
+    """One request's own work raising (here a type kiln never raises): it ends with finish reason
+    "error" and its exception; the others in its steps get the tokens they get alone."""
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.scheduler import Sequence
+
+    class Odd(Exception):
+        pass
+
+    prompts = ["The kiln", "Why", "On the third morning"]
+    params = [SamplingParams(max_tokens=6, temperature=0), SamplingParams(max_tokens=6, temperature=0.9, seed=4),
+              SamplingParams(max_tokens=6, temperature=0, presence_penalty=0.4, prompt_logprobs=1)]
+    alone = [llm.generate([p], [s])[0] for p, s in zip(prompts, params)]
+    victim = SamplingParams(max_tokens=6, temperature=0, seed=99, prompt_logprobs=0)
+    real = getattr(Engine, stage)
+
+    def broken(*args):
+        if next(a for a in args if isinstance(a, Sequence)).params is victim:
+            raise Odd(stage)
+        return real(*args)
+
+    monkeypatch.setattr(Engine, stage, staticmethod(broken) if stage == "_score_prompt" else broken)
+    outs = llm.generate(["Numbers matter", *prompts], [victim, *params])
+    assert outs[0].finish_reason == "error" and isinstance(outs[0].error, Odd)
+    assert [o.token_ids for o in outs[1:]] == [o.token_ids for o in alone]
+    assert [o.finish_reason for o in outs[1:]] == ["length"] * 3
+    assert llm.engine.scheduler.kv_usage == 0 and not llm.engine._prompts
+
+
+def test_stop_strings_are_found_where_a_search_of_each_finds_them():
+    """The prepared search (by length, at the newest characters) against str.find of every stop string."""
+    import random
+
+    from kiln.runtime.stop_strings import StopStrings
+
+    rng = random.Random(0)
+    for _ in range(300):
+        stop = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 5))]
+        found, text, prepared = None, "", StopStrings(stop)
+        while found is None and len(text) < 40:
+            new = "".join(rng.choice("abc") for _ in range(rng.randint(1, 3)))
+            text += new
+            tail = len(text) - len(new)
+            cuts = [i for i in (text.find(s, max(tail - len(s) + 1, 0)) for s in stop) if i >= 0]
+            found = prepared.find(text, len(new))
+            assert found == (min(cuts) if cuts else None), (stop, text, new)
+        assert prepared.longest == max(map(len, stop))

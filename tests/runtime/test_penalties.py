@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kiln.runtime.penalties import adjust_logits
+from kiln.runtime.penalties import adjust_logits, prepare
 from kiln.runtime.sampler import SamplingParams
 
 VOCAB = 50
@@ -50,7 +50,8 @@ def test_each_row_is_adjusted_by_its_own_formula():
                for n in torch.randint(0, 8, (len(CASES),), generator=g)]
     outputs[6] = [1, 3]  # below its min_tokens
     before = logits.clone()
-    got = adjust_logits(logits, CASES, prompts, outputs, EOS)
+    got = adjust_logits(logits, [prepare(p, EOS, prompt, VOCAB, logits.device) for p, prompt in zip(CASES, prompts)],
+                         outputs)
     assert torch.equal(logits, before)  # logprobs are reported from the raw logits
     for i, p in enumerate(CASES):
         torch.testing.assert_close(got[i], reference(logits[i], p, prompts[i], outputs[i]), rtol=0, atol=1e-6)
@@ -60,7 +61,8 @@ def test_each_row_is_adjusted_by_its_own_formula():
 
 def test_a_batch_asking_nothing_is_not_copied():
     logits = torch.randn(3, VOCAB)
-    assert adjust_logits(logits, [SamplingParams()] * 3, [[1]] * 3, [[2]] * 3, EOS) is logits
+    plain = [prepare(SamplingParams(), EOS, [1], VOCAB, logits.device)] * 3
+    assert plain == [None] * 3 and adjust_logits(logits, plain, [[2]] * 3) is logits
 
 
 @pytest.mark.parametrize("bad, message", [

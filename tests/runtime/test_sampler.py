@@ -95,9 +95,36 @@ def test_draw_at_the_top_of_the_range_takes_the_last_token_that_can_be_drawn(mon
     assert draw(logits, [_gen()]) == [2]
 
 
-def test_draw_refuses_nan_logits():
-    with pytest.raises(RuntimeError, match="NaN or inf"):
-        draw(torch.tensor([[0.0, float("nan")]]), [_gen()])
+def test_rows_with_nothing_to_draw_get_none_and_leave_the_others_as_drawn_alone():
+    """A NaN row and an all -inf row draw nothing and consume no random number; the good row gets
+    the token it gets alone, from the same generator state."""
+    inf = float("inf")
+    logits = torch.tensor([[0.0, float("nan"), 1.0], [-inf, -inf, -inf], [0.3, 1.0, 0.2]])
+    gens = [_gen(1), _gen(2), _gen(3)]
+    alone = draw(logits[2:].clone(), [_gen(3)])[0]
+    assert draw(logits.clone(), gens) == [None, None, alone]
+    assert torch.equal(gens[0].get_state(), _gen(1).get_state())
+
+
+def test_sample_fails_only_the_rows_with_no_token():
+    """Every token masked is the request's doing (KilnError); a NaN in the logits is the model's. The
+    other rows, greedy or sampled, get the tokens they get alone."""
+    from kiln.errors import KilnError
+
+    inf = float("inf")
+    torch.manual_seed(0)
+    logits = torch.randn(4, 300)
+    logits[1] = -inf
+    logits[2, 17] = float("nan")
+    params = [SamplingParams(temperature=0.8, seed=5), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=2)]
+    gens = [_gen(5), _gen(6), None, None]
+    result = sample(logits.clone(), params, gens, _gen(0))
+    assert isinstance(result.failures[1], KilnError) and "every token is masked" in str(result.failures[1])
+    assert isinstance(result.failures[2], RuntimeError) and "nan" in str(result.failures[2])
+    assert result.failures[0] is None and result.failures[3] is None
+    assert result.token_ids[0] == sample(logits[:1].clone(), params[:1], [_gen(5)], _gen(0)).token_ids[0]
+    assert result.token_ids[3] == int(logits[3].argmax()) and result.logprobs[3] is not None
 
 
 @pytest.mark.parametrize("vocab", [DRAW_BLOCK * 3, DRAW_BLOCK * 3 + 5])

@@ -30,12 +30,13 @@ def test_grammar_masks_follow_the_tokens(demo_dirs):
     matcher = backend.matcher(StructuredOutput("choice", ("red clay", "blue glaze")))
     ids = tok.encode("blue glaze", add_special_tokens=False)
     for token in ids:
-        [bits] = fill_masks([matcher], backend.vocab_size)
+        [bits], [error] = fill_masks([matcher], backend.vocab_size)
+        assert error is None
         allowed = {t for t in range(backend.vocab_size) if (int(bits[t // 32]) >> (t % 32)) & 1}
         assert token in allowed and allowed <= set(range(tok.vocab_size))
         assert tok.encode("x", add_special_tokens=False)[0] not in allowed
         assert matcher.accept(token)
-    [bits] = fill_masks([matcher], backend.vocab_size)
+    [bits], _ = fill_masks([matcher], backend.vocab_size)
     allowed = {t for t in range(backend.vocab_size) if (int(bits[t // 32]) >> (t % 32)) & 1}
     assert allowed == set(tok.eos_token_ids)  # complete: only the end remains
     with pytest.raises(KilnError, match="invalid json for structured output"):
