@@ -305,7 +305,21 @@ def _server_config(args: argparse.Namespace):
         host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,
         request_timeout=args.request_timeout, api_key=args.api_key or os.environ.get("KILN_API_KEY") or None,
         auth_exempt=tuple(args.auth_exempt or ()), ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-        ssl_ciphers=args.ssl_ciphers, allowed_origins=tuple(args.allowed_origins or ()))
+        ssl_ciphers=args.ssl_ciphers, allowed_origins=tuple(args.allowed_origins or ()),
+        **{name: getattr(args, name) for name, _, _ in _REQUEST_LIMITS})
+
+
+_REQUEST_LIMITS = [  # (ServerConfig field, argument type, what it bounds): one --flag each
+    ("max_request_bytes", "size", "largest request body, e.g. 4M; larger is answered 413 before it is read"),
+    ("header_timeout", positive, "seconds a connection may take to send a request's headers; then it is closed"),
+    ("body_timeout", positive, "seconds a request's body may take to arrive; then 408"),
+    ("keep_alive_timeout", positive, "seconds an idle keep-alive connection stays open"),
+    ("max_logit_bias", at_least(1), "most logit_bias entries per request"),
+    ("max_stop_strings", at_least(1), "most stop strings per request"),
+    ("max_stop_length", at_least(1), "longest stop string, in characters"),
+    ("max_choices", at_least(1), "most options in a choice constraint (llguidance gives up near 2000)"),
+    ("max_grammar_bytes", "size", "largest JSON schema, regex, grammar or set of choices, e.g. 64K"),
+]
 
 
 def _cmd_cache(args: argparse.Namespace) -> int:
@@ -495,6 +509,13 @@ def build_parser() -> argparse.ArgumentParser:
                         f"answered 503 with Retry-After (default {ServerConfig.max_queued_requests})")
     limits.add_argument("--request-timeout", type=positive, metavar="SECONDS", help="abort a request this "
                         "long after it arrived, queueing included, and answer 408 (default: no limit)")
+    from kiln.cache_tools.units import parse_size
+
+    for name, kind, says in _REQUEST_LIMITS:  # each a 400 (413, 408) naming its flag when a request passes it
+        default = getattr(ServerConfig, name)
+        metavar = "SIZE" if kind == "size" else "SECONDS" if name.endswith("timeout") else "N"
+        limits.add_argument("--" + name.replace("_", "-"), type=_units(parse_size) if kind == "size" else kind,
+                            default=default, metavar=metavar, help=f"{says} (default {default if isinstance(default, int) else f'{default:g}'})")
     security = srv.add_argument_group("security")
     security.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on every request "
                           "(else 401); default $KILN_API_KEY, else none")
@@ -502,8 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="serve /health or /metrics without the key (for probes and scrapers); repeatable")
     security.add_argument("--ssl-keyfile", metavar="FILE", help="serve HTTPS with this private key (PEM)")
     security.add_argument("--ssl-certfile", metavar="FILE", help="... and this certificate chain (PEM)")
-    security.add_argument("--ssl-ciphers", default=ServerConfig.ssl_ciphers, metavar="LIST", help="OpenSSL cipher "
-                          f"list (default {ServerConfig.ssl_ciphers})")
+    security.add_argument("--ssl-ciphers", metavar="LIST", help="OpenSSL cipher list for TLS 1.2 (default: "
+                          "Python's ssl defaults: forward-secret AEAD suites, no SHA-1)")
     security.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN", help="browser origins allowed by "
                           "CORS, e.g. https://app.example.com, or * (default: none)")
     _add_compile_options(srv)

@@ -193,14 +193,37 @@ class ServerConfig:
     request_timeout: float | None = None
     """Seconds from arrival (queueing included) after which a request is aborted and answered 408;
     None: no limit."""
+    max_request_bytes: int = 4 * 2**20
+    """Largest request body; a larger one is answered 413 before it is read (from Content-Length, or as
+    soon as a streamed body passes it)."""
+    header_timeout: float = 10.0
+    """Seconds a connection may take to send a request's headers, from opening (or from its previous
+    response); then it is closed."""
+    body_timeout: float = 60.0
+    """Seconds a request's body may take to arrive, from its first byte read; then 408."""
+    keep_alive_timeout: float = 5.0
+    """Seconds an idle keep-alive connection stays open (uvicorn's default)."""
+    max_logit_bias: int = 1024
+    """Most `logit_bias` entries one request may give."""
+    max_stop_strings: int = 64
+    """Most stop strings one request may give."""
+    max_stop_length: int = 1024
+    """Longest stop string, in characters."""
+    max_choices: int = 1024
+    """Most options in a choice constraint (guided_choice, structured_outputs.choice); llguidance gives up
+    near 2000."""
+    max_grammar_bytes: int = 64 * 2**10
+    """Largest output constraint (JSON schema, regex, grammar, or all choices together), in UTF-8 bytes:
+    compiling one takes time that grows faster than its size."""
     api_key: str | None = None
     """Clients must send `Authorization: Bearer <api_key>` (else 401); None: anyone may."""
     auth_exempt: tuple[str, ...] = ()
     """Paths (/health, /metrics) served without the key, for probes and scrapers."""
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
-    ssl_ciphers: str = "TLSv1"
-    """OpenSSL cipher list for TLS (uvicorn's default)."""
+    ssl_ciphers: str | None = None
+    """OpenSSL cipher list for TLS 1.2 and below; None: Python's `ssl` defaults (forward-secret AEAD
+    suites first, no SHA-1)."""
     allowed_origins: tuple[str, ...] = ()
     """Browser origins allowed by CORS ("*" for any); none by default."""
 
@@ -209,6 +232,10 @@ class ServerConfig:
             raise KilnError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise KilnError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
+        for name in ("max_request_bytes", "header_timeout", "body_timeout", "keep_alive_timeout", "max_logit_bias",
+                     "max_stop_strings", "max_stop_length", "max_choices", "max_grammar_bytes"):
+            if getattr(self, name) <= 0:
+                raise KilnError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.api_key is not None and not self.api_key.strip():
             raise KilnError("the API key is empty: give a non-empty --api-key (or KILN_API_KEY), or none")
         if bool(self.ssl_keyfile) != bool(self.ssl_certfile):

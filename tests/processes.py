@@ -66,6 +66,14 @@ def serving(cmd: list[str], port: int, log: Path, env: dict | None = None, timeo
     """Start `cmd` (a `kiln serve ... --port port`), wait until /health answers (over `scheme`,
     checking the certificate with `verify`), yield its base URL; stop it on the way out. Its output
     goes to `log`."""
+    with server_process(cmd, port, log, env, timeout, scheme, verify) as (_, url):
+        yield url
+
+
+@contextlib.contextmanager
+def server_process(cmd: list[str], port: int, log: Path, env: dict | None = None, timeout: float = 120,
+                   scheme: str = "http", verify=True) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`serving`, yielding the process too (its pid, its exit)."""
     import httpx
 
     with open(log, "w") as out:
@@ -81,7 +89,7 @@ def serving(cmd: list[str], port: int, log: Path, env: dict | None = None, timeo
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        yield url
+        yield proc, url
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -110,6 +110,7 @@ def test_serve_from_the_artifact(demo_dirs, kiln_cache, llama_artifact, tmp_path
 def test_serve_over_https_with_an_api_key_and_cors(demo_dirs, kiln_cache, llama_artifact, tmp_path):
     """`kiln serve` with a self-signed certificate, KILN_API_KEY and one allowed origin, as the openai
     client and a browser's preflight see it."""
+    import socket
     import ssl
 
     import httpx
@@ -147,6 +148,13 @@ def test_serve_over_https_with_an_api_key_and_cors(demo_dirs, kiln_cache, llama_
         other = httpx.options(url + "/v1/completions", verify=trust, headers={"Origin": "https://evil.example", **preflight})
         assert "access-control-allow-origin" not in other.headers
         assert httpx.get(url + "/metrics", verify=trust).status_code == 401
+        # TLS 1.2 offers the AEAD suites (uvicorn's old default, the cipher string "TLSv1", offered only CBC-SHA1)
+        tls12 = ssl.create_default_context()
+        ca.configure_trust(tls12)
+        tls12.maximum_version = ssl.TLSVersion.TLSv1_2
+        tls12.set_ciphers("ECDHE+AESGCM:ECDHE+CHACHA20")
+        with socket.create_connection(("127.0.0.1", port)) as raw, tls12.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+            assert tls.version() == "TLSv1.2" and ("GCM" in tls.cipher()[0] or "CHACHA20" in tls.cipher()[0])
     assert f"ready: https://127.0.0.1:{port}" in (tmp_path / "serve.log").read_text()
 
 

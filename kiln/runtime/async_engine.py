@@ -3,12 +3,13 @@ request's outputs come back to the event loop it was added from. Steps run back 
 request is unfinished; new requests join the next step (continuous batching)."""
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,17 @@ class EngineUnavailable(Exception):
 class StepFailed(Exception):
     """A step this request was in failed (a bug, an out-of-memory): the request ends with a 500, the
     engine goes on with the others."""
+
+
+class RequestFailed(Exception):
+    """This request alone failed (its preparation, sampling, grammar or output raised); the others in
+    its step went on. `client_error`: the request itself cannot go on (answered 400), else a failure
+    inside kiln (500)."""
+
+    def __init__(self, error: BaseException):
+        self.client_error = isinstance(error, KilnError)
+        detail = str(error) if self.client_error else f"{type(error).__name__}: {error}"
+        super().__init__(detail if self.client_error else f"the request failed: {detail}")
 
 
 class Overloaded(Exception):
@@ -102,7 +114,10 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = False
         self.error: BaseException | None = None
-        """Set when a step failed: the server then reports unhealthy."""
+        """Set when the engine thread stopped on a failure: the server then reports unhealthy."""
+        self.on_stopped: Callable[[], None] | None = None
+        """Called from the engine thread if it ends other than by `shutdown` (the server then exits, so
+        that a supervisor restarts it, instead of answering 503 for ever)."""
         self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
 
     def start(self) -> None:
@@ -136,19 +151,33 @@ class AsyncEngine:
             raise Overloaded(f"the server is at capacity ({self.num_requests} sequences running or queued, at most "
                              f"{self.capacity}): retry later")
 
-    def add(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None) -> RequestStream:
-        """Queue a request from the event loop; bad input raises KilnError here, before anything runs."""
-        self.engine.validate(prompt_token_ids, params)
+    async def add(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+                  ) -> RequestStream:
+        """Queue one request from the event loop (see `add_all`)."""
+        return (await self.add_all([(prompt_token_ids, params, prompt)]))[0]
+
+    async def add_all(self, requests: list[tuple[list[int], SamplingParams, str | None]]) -> list[RequestStream]:
+        """Queue requests from the event loop, all or none: bad input raises KilnError here, before any
+        runs. They are checked on a worker thread (a long prompt, a grammar to compile), never on the loop."""
+
+        def validate() -> None:
+            for ids, params, _ in requests:
+                self.engine.validate(ids, params)
+
+        await asyncio.to_thread(validate)
         if not self.healthy:
             raise EngineUnavailable(f"the engine is not running ({self.error or 'shut down'})")
-        self.admit(1)
-        request_id = uuid.uuid4().hex
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), len(prompt_token_ids))
-        self._streams[request_id] = stream
-        self._inbox.put(("add", request_id, list(prompt_token_ids), params, prompt))
-        self._wake.set()
+        self.admit(len(requests))
+        loop, streams = asyncio.get_running_loop(), []
         deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
-        return RequestStream(self, request_id, stream.outputs, deadline)
+        for ids, params, prompt in requests:
+            request_id = uuid.uuid4().hex
+            stream = _Stream(loop, asyncio.Queue(), len(ids))
+            self._streams[request_id] = stream
+            self._inbox.put(("add", request_id, list(ids), params, prompt))
+            streams.append(RequestStream(self, request_id, stream.outputs, deadline))
+        self._wake.set()
+        return streams
 
     def abort(self, request_id: str) -> None:
         """Stop an unfinished request (its client left); counted as finish reason "abort"."""
@@ -160,6 +189,21 @@ class AsyncEngine:
     # -- the engine thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._steps()
+        except BaseException as e:  # a kiln bug outside any one request: nothing can be trusted to go on
+            self.error = e
+            logger.critical("the engine thread stopped", exc_info=e)
+            for request_id in list(self._streams):
+                self._deliver(request_id, EngineUnavailable(f"the engine stopped: {type(e).__name__}: {e}"))
+            if self.feed is not None:
+                with contextlib.suppress(Exception):
+                    self.feed.publish([], stop=True)
+        finally:
+            if not self._stop and self.on_stopped is not None:
+                self.on_stopped()
+
+    def _steps(self) -> None:
         if self.engine.runner.device.type == "cuda":  # a new thread starts on GPU 0; Triton launches on this one
             torch.cuda.set_device(self.engine.runner.device)
         while not self._stop:
@@ -174,7 +218,7 @@ class AsyncEngine:
                     self.feed.publish(self._applied)
                 self._applied = []
                 outputs = self.engine.step()
-            except Exception as e:  # a bug or an out-of-memory
+            except Exception as e:  # the batch's forward: a bug or an out-of-memory
                 logger.exception("engine step failed")
                 if self.feed is None:  # fail the step's requests only, and go on serving the rest
                     self._fail_running(e)
@@ -186,9 +230,19 @@ class AsyncEngine:
                 return
             now = time.perf_counter()
             for out in outputs:
+                if out.error is not None:
+                    self._failed(out.request_id, out.error)
+                    continue
                 self._record(out, now)
                 self._deliver(out.request_id, out)
             self._update_gauges()
+
+    def _failed(self, request_id: str, error: BaseException) -> None:
+        """End one request that failed alone (400 or 500); the other ranks drop it too."""
+        self._applied.append(("abort", request_id))
+        if request_id in self._streams:
+            self.metrics.finished("error")
+            self._deliver(request_id, RequestFailed(error))
 
     def _fail_running(self, e: Exception) -> None:
         """End every request the failed step ran (their state is suspect) with `StepFailed`; their
@@ -217,8 +271,11 @@ class AsyncEngine:
             try:
                 self.engine.add_request(ids, params, prompt, request_id=request_id)
                 self.metrics.admitted(len(ids))
-            except KilnError as e:
-                self._deliver(request_id, e)
+            except Exception as e:  # noqa: BLE001 - this request's preparation: it fails alone
+                if not isinstance(e, KilnError):
+                    logger.error("request %s failed to start", request_id, exc_info=e)
+                self.engine.abort(request_id)
+                self._failed(request_id, e)
 
     def _record(self, out: RequestOutput, now: float) -> None:
         stream = self._streams.get(out.request_id)

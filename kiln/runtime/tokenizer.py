@@ -15,6 +15,14 @@ FALLBACK_CHAT_TEMPLATE = (
 """For models whose tokenizer_config.json has no chat_template: "Role: content" lines, then "Assistant:"."""
 
 
+class TooManyTokens(KilnError):
+    """A text longer than the caller's limit, in tokens."""
+
+    def __init__(self, count: int, limit: int):
+        super().__init__(f"the text has {count} tokens, more than the {limit} allowed")
+        self.count, self.limit = count, limit
+
+
 def _ids(value) -> list[int]:
     if value is None:
         return []
@@ -35,6 +43,7 @@ class Tokenizer:
                 "save one with transformers' AutoTokenizer.save_pretrained, or pass token ids"
             )
         self._tok = HFTokenizer.from_file(str(path))
+        self._encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         self.path = path
         f = model_dir / "tokenizer_config.json"
         self._config = json.loads(f.read_text()) if f.is_file() else {}
@@ -71,8 +80,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
+        """Token ids of `text`; `TooManyTokens` if there are more than `max_tokens`, found before the
+        list is built. Through `encode_batch_fast`, which releases the GIL (a long prompt never stalls
+        the server's event loop) and skips the character offsets kiln does not use."""
+        encoding = self._encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        if max_tokens is not None and len(encoding) > max_tokens:
+            raise TooManyTokens(len(encoding), max_tokens)
+        return encoding.ids
 
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)

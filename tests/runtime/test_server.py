@@ -458,8 +458,11 @@ def test_openapi_documents_every_status(served):
     schema = httpx.get(served[0] + "/openapi.json").json()
     for path in ("/v1/completions", "/v1/chat/completions"):
         responses = schema["paths"][path]["post"]["responses"]
-        assert set(responses) == {"200", "400", "404", "405", "408", "499", "500", "503"}
+        assert set(responses) == {"200", "400", "404", "405", "408", "413", "499", "500", "503"}
         assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        model = schema["components"]["schemas"][body.rsplit("/", 1)[1]]
+        assert model["properties"]["model"]["enum"] == [MODEL] and "seed" in model["properties"]
     assert "text/plain" in schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     r = httpx.request("DELETE", served[0] + "/v1/completions")
     assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["message"]

@@ -49,14 +49,14 @@ def test_a_flood_of_4x_the_queue_is_answered_in_full_and_stays_bounded(llm, slow
     max-num-seqs + max-queued-requests sequences are ever held."""
     max_queued, sent = 4, 4 * 4
     engine = AsyncEngine(llm.engine, model_name=MODEL, max_queued=max_queued)
-    peak, add = [0], engine.add
+    peak, add_all = [0], engine.add_all
 
-    def counted_add(*args, **kwargs):
-        stream = add(*args, **kwargs)
+    async def counted_add_all(*args, **kwargs):
+        streams = await add_all(*args, **kwargs)
         peak[0] = max(peak[0], engine.num_requests)
-        return stream
+        return streams
 
-    engine.add = counted_add
+    engine.add_all = counted_add_all
     want = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].text
     engine.start()
     try:

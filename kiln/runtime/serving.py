@@ -1,0 +1,407 @@
+"""From an API request to engine requests and back: limits, tokenization, the engine streams, and
+each choice's JSON (whole, or as server-sent events).
+
+What grows with the request (tokenizing, compiling its grammar, formatting a long answer with its
+logprobs) runs on worker threads, never on the event loop: one large request does not stall health
+checks or other clients.
+"""
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from kiln.config import ServerConfig
+from kiln.errors import KilnError
+from kiln.runtime.async_engine import (AsyncEngine, EngineUnavailable, RequestFailed, RequestStream, RequestTimedOut,
+                                       StepFailed)
+from kiln.runtime.engine import RequestOutput
+from kiln.runtime.protocol import (ChatCompletionRequest, CompletionRequest, SamplingRequest, StreamOptions,
+                                   to_json)
+from kiln.runtime.structured_output import StructuredOutput
+from kiln.runtime.tokenizer import Tokenizer, TooManyTokens
+
+logger = logging.getLogger(__name__)
+
+Prompt = tuple[list[int], str | None]
+"""A prompt's token ids, and its text where it came as text."""
+
+
+class ServerError(Exception):
+    """A 4xx the route decided on, raised from deep in request handling."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.code, self.param = status, kind, code, param
+
+
+class Server:
+    """Turns API requests into engine requests and engine outputs into API responses."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_model_len: int,
+                 config: ServerConfig | None = None):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.model_name, self.max_model_len = model_name, max_model_len
+        self.config = config or ServerConfig()
+        self.created = int(time.time())
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise ServerError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
+                              "NotFoundError", "model_not_found")
+
+    def max_tokens(self, prompt_len: int, asked: int | None) -> int:
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise ServerError(400, f"the prompt has {prompt_len} tokens; this model's context is "
+                                   f"{self.max_model_len} tokens, which leaves no room to generate")
+        if asked is not None and asked > room:
+            raise ServerError(400, f"max_tokens {asked} + the prompt's {prompt_len} tokens exceed the model's "
+                                   f"context of {self.max_model_len} tokens")
+        return asked if asked is not None else room
+
+    def check_limits(self, body: SamplingRequest) -> None:
+        """The caps on what a request makes every step do: each a 400 naming the cap and its flag."""
+        c = self.config
+        _cap("logit_bias entries", len(body.logit_bias or {}), c.max_logit_bias, "--max-logit-bias")
+        stop = body.stop_strings
+        _cap("stop strings", len(stop), c.max_stop_strings, "--max-stop-strings")
+        _cap("characters in a stop string", max(map(len, stop), default=0), c.max_stop_length, "--max-stop-length")
+        for choices in (body.guided_choice, body.structured_outputs and body.structured_outputs.choice):
+            _cap("choices", len(choices or ()), c.max_choices, "--max-choices")
+
+    def constraint(self, body: SamplingRequest) -> StructuredOutput | None:
+        """The request's output constraint, within the size cap (llguidance's compile time grows
+        faster than the grammar)."""
+        found = body.structured_output()
+        if found is not None:
+            size = sum(len(s.encode()) for s in found.spec) if found.kind == "choice" else len(found.spec.encode())
+            _cap(f"bytes of {found.kind} constraint", size, self.config.max_grammar_bytes, "--max-grammar-bytes")
+        return found
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`text`'s token ids; a 400 as soon as it is known not to fit the context."""
+        try:
+            return self.tokenizer.encode(text, add_special_tokens, max_tokens=self.max_model_len - 1)
+        except TooManyTokens as e:
+            self.max_tokens(e.count, None)
+            raise
+
+    def completion_prompts(self, prompt) -> list[Prompt]:
+        """A string, a list of strings, a list of token ids, or a list of those -> [(ids, text or None)]."""
+        if isinstance(prompt, str):
+            return [(self.encode(prompt), prompt)]
+        if not prompt:
+            raise KilnError("the prompt is empty: give text or at least one token id")
+        if isinstance(prompt[0], int):
+            return [(list(prompt), None)]
+        if isinstance(prompt[0], str):
+            return [(self.encode(p), p) for p in prompt]
+        return [(list(p), None) for p in prompt]
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> Prompt:
+        text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
+        return self.encode(text, add_special_tokens=False), text
+
+    async def start(self, prompts: list[Prompt], request: SamplingRequest, max_tokens: int | None,
+                    logprobs: int | None, structured: StructuredOutput | None, count: int | None = None,
+                    prompt_logprobs: int | None = None) -> list[RequestStream]:
+        """`count` (default n) engine requests per prompt (prompt-major), all validated before any runs."""
+        limits = [self.max_tokens(len(ids), max_tokens) for ids, _ in prompts]
+        self.engine.admit(len(prompts) * (count or request.n))
+        requests = [(ids, request.sampling_params(limit, logprobs, i, prompt_logprobs, structured), text)
+                    for (ids, text), limit in zip(prompts, limits) for i in range(count or request.n)]
+        return await self.engine.add_all(requests)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+def _cap(what: str, count: int, limit: int, flag: str) -> None:
+    if count > limit:
+        raise KilnError(f"the request has {count} {what}; this server takes at most {limit} ({flag} moves the cap)")
+
+
+class CompletionChoices:
+    """Builds /v1/completions choices, whole or as stream chunks, from engine outputs."""
+
+    def __init__(self, server: Server, body: CompletionRequest, prompts: list[Prompt]):
+        self.server, self.body, self.prompts = server, body, prompts
+        self.echoed: set[int] = set()
+
+    def generated(self, out: RequestOutput) -> int:
+        return 0 if self.body.max_tokens == 0 else len(out.token_ids)
+
+    def prompt_text(self, index: int, out: RequestOutput) -> str:
+        given = self.prompts[index // self.body.n][1]
+        return given if given is not None else self.server.tokenizer.decode(out.prompt_token_ids)
+
+    def choice(self, index: int, out: RequestOutput, text: str, first: int) -> dict:
+        """The choice's text from character `text` on and its logprobs from token `first` on; with
+        echo, the first chunk of each choice starts with its prompt."""
+        body, token_text, end = self.body, self.server.token_text, self.generated(out)
+        echo = body.echo and index not in self.echoed
+        self.echoed.add(index)
+        ids, lps, tops, offset = out.token_ids[first:end], None, None, 0
+        if body.logprobs is not None:
+            lps = out.logprobs[first:end]
+            tops = (out.top_logprobs or [None] * len(out.token_ids))[first:end]
+        if echo:
+            text = self.prompt_text(index, out) + text
+            ids = out.prompt_token_ids + ids
+            if body.logprobs is not None:
+                lps = out.prompt_logprobs + lps
+                tops = (out.prompt_top_logprobs or [None] * len(out.prompt_token_ids)) + tops
+        else:
+            offset = (len(self.prompt_text(index, out)) if body.echo else 0) + sum(
+                len(token_text(t)) for t in out.token_ids[:first])
+        reason = "length" if body.max_tokens == 0 else _reason(out)
+        result = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+        if body.logprobs is not None:
+            texts = [token_text(t) for t in ids]
+            result["logprobs"] = {
+                "tokens": texts, "token_logprobs": lps,
+                "top_logprobs": [None if t is None else {token_text(k): v for k, v in t.items()} for t in tops],
+                "text_offset": list(itertools.accumulate((len(t) for t in texts), initial=offset))[:-1]}
+        if body.prompt_logprobs is not None:
+            result["prompt_logprobs"] = _vllm_prompt_logprobs(out, body.prompt_logprobs, token_text)
+        return result
+
+    def chunk(self, index: int, out: RequestOutput, chars: int, toks: int) -> dict:
+        return self.choice(index, out, out.text[chars:], toks)
+
+    def response(self, head: dict, finals: list[RequestOutput], count: int) -> bytes:
+        """The whole answer's JSON; with best_of, per prompt the n choices of highest cumulative logprob."""
+        usage = _usage(sum(len(ids) for ids, _ in self.prompts) * count, sum(self.generated(o) for o in finals))
+        if count > self.body.n:
+            finals = [o for i in range(0, len(finals), count)
+                      for o in sorted(finals[i:i + count], key=lambda o: -sum(o.logprobs))[:self.body.n]]
+        choices = [self.choice(i, out, out.text if self.generated(out) else "", 0) for i, out in enumerate(finals)]
+        return to_json({**head, "choices": choices, "usage": usage})
+
+
+class ChatChoices:
+    """Builds /v1/chat/completions choices, whole or as stream chunks, from engine outputs."""
+
+    def __init__(self, server: Server, body: ChatCompletionRequest):
+        self.server, self.body = server, body
+
+    def logprobs(self, out: RequestOutput, first: int) -> dict | None:
+        if not self.body.logprobs:
+            return None
+        top, token_text = self.body.top_logprobs or 0, self.server.token_text
+        tops = (out.top_logprobs or [None] * len(out.token_ids))[first:]
+        content = []
+        for token, lp, alts in zip(out.token_ids[first:], out.logprobs[first:], tops):
+            s = token_text(token)
+            content.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
+                            "top_logprobs": [{"token": token_text(k), "logprob": v, "bytes": list(token_text(k).encode())}
+                                             for k, v in (alts or {}).items()][:top]})
+        return {"content": content}
+
+    def chunk(self, index: int, out: RequestOutput, chars: int, toks: int) -> dict:
+        delta = {"content": out.text[chars:]} if len(out.text) > chars else {}
+        return {"index": index, "delta": delta, "logprobs": self.logprobs(out, toks), "finish_reason": _reason(out)}
+
+    def roles(self, head: dict) -> list[dict]:
+        """The first event of each choice: its role."""
+        return [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                      "finish_reason": None}]} for i in range(self.body.n)]
+
+    def response(self, head: dict, finals: list[RequestOutput], prompt_tokens: int) -> bytes:
+        choices = [{"index": i, "message": {"role": "assistant", "content": out.text},
+                    "logprobs": self.logprobs(out, 0), "finish_reason": _reason(out)} for i, out in enumerate(finals)]
+        usage = _usage(prompt_tokens, sum(len(o.token_ids) for o in finals))
+        return to_json({**head, "choices": choices, "usage": usage})
+
+
+async def complete(server: Server, body: CompletionRequest, request: Request) -> Response:
+    """/v1/completions: every prompt's choices, whole or streamed."""
+    server.check_model(body.model)
+    server.check_limits(body)
+    count = body.sequences  # sequences per prompt; the n most likely are returned
+    server.engine.admit(_prompt_count(body.prompt) * count)
+    prompts = await off_loop(server.completion_prompts, body.prompt)
+    structured = await off_loop(server.constraint, body)
+    scored = body.logprobs if body.echo and body.logprobs is not None else None
+    prompt_logprobs = max((k for k in (scored, body.prompt_logprobs) if k is not None), default=None)
+    logprobs = body.logprobs if body.logprobs is not None or count == body.n else 0  # ranking needs them
+    streams = await server.start(prompts, body, 1 if body.max_tokens == 0 else body.max_tokens, logprobs,
+                                 structured, count, prompt_logprobs)
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": server.model_name}
+    choices = CompletionChoices(server, body, prompts)
+    if body.stream:
+        return event_stream(streams, head, choices.chunk, sum(len(ids) for ids, _ in prompts) * count,
+                            body.stream_options)
+    done = await finals(streams, request)
+    if done is None:
+        return Response(status_code=499)  # nobody reads it: nginx's status for a client that left
+    return Response(await off_loop(choices.response, head, done, count), media_type="application/json")
+
+
+async def chat(server: Server, body: ChatCompletionRequest, request: Request) -> Response:
+    """/v1/chat/completions: the conversation's choices, whole or streamed."""
+    server.check_model(body.model)
+    server.check_limits(body)
+    server.engine.admit(body.n)
+    prompt = await off_loop(server.chat_prompt, body)
+    structured = await off_loop(server.constraint, body)
+    top = body.top_logprobs or 0
+    streams = await server.start([prompt], body, body.max_completion_tokens or body.max_tokens,
+                                 top if body.logprobs else None, structured)
+    prompt_tokens = len(prompt[0]) * body.n
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.model_name}
+    choices = ChatChoices(server, body)
+    if body.stream:
+        head = {**head, "object": "chat.completion.chunk"}
+        return event_stream(streams, head, choices.chunk, prompt_tokens, body.stream_options, choices.roles(head))
+    done = await finals(streams, request)
+    if done is None:
+        return Response(status_code=499)  # nobody reads it: nginx's status for a client that left
+    answer = await off_loop(choices.response, {**head, "object": "chat.completion"}, done, prompt_tokens)
+    return Response(answer, media_type="application/json")
+
+
+def _prompt_count(prompt) -> int:
+    """How many prompts a completion body holds, before any is tokenized."""
+    return len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
+
+
+def event_stream(streams: list[RequestStream], head: dict, choice: Callable[[int, RequestOutput, int, int], dict],
+                 prompt_tokens: int, options: StreamOptions | None, preamble: list[dict] | None = None
+                 ) -> StreamingResponse:
+    """Server-sent events: `preamble`, then a chunk whenever a choice has new text (and its last one),
+    built by `choice(index, output, characters sent, tokens sent)`; usage if asked; `[DONE]`. Once
+    the status is sent a failure can only be told in the stream: an error event, as vLLM does."""
+
+    async def events() -> AsyncIterator[str]:
+        for payload in preamble or []:
+            yield _sse(payload)
+        sent: dict[int, tuple[int, int]] = {}  # choice index -> (characters, tokens) sent
+        completion_tokens = 0
+        try:
+            async for index, out in merged(streams):
+                chars, toks = sent.get(index, (0, 0))
+                sent[index] = (len(out.text), len(out.token_ids))
+                if out.finished:
+                    completion_tokens += len(out.token_ids)
+                if len(out.text) > chars or out.finished:
+                    yield _sse({**head, "choices": [choice(index, out, chars, toks)]})
+        except Exception as e:  # noqa: BLE001 - whatever it is, the client gets an event, not a cut stream
+            yield _sse({"error": {**_stream_error(e), "param": None, "code": None}})
+            yield "data: [DONE]\n\n"
+            return
+        if options and options.include_usage:
+            yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _stream_error(e: Exception) -> dict:
+    """The message and type of an error event, as the same failure would be answered before streaming."""
+    if isinstance(e, RequestTimedOut):
+        return {"message": str(e), "type": "timeout_error"}
+    if isinstance(e, KilnError) or (isinstance(e, RequestFailed) and e.client_error):
+        return {"message": str(e), "type": "invalid_request_error"}
+    if isinstance(e, (StepFailed, EngineUnavailable, RequestFailed)):
+        return {"message": str(e), "type": "server_error"}
+    logger.error("error in a response stream", exc_info=e)
+    return {"message": f"internal error: {type(e).__name__}: {e}", "type": "server_error"}
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from all streams as they come; closing this aborts the unfinished ones."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((index, out))
+        except Exception as e:  # handed to the consumer; a cancellation ends the task
+            await queue.put((index, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, out = await queue.get()
+            if isinstance(out, BaseException):
+                raise out
+            if out.finished:
+                remaining -= 1
+            yield index, out
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.abort()
+
+
+async def finals(streams: list[RequestStream], request: Request) -> list[RequestOutput] | None:
+    """Each stream's finished output, in choice order; None if the client left first, which aborts
+    them all (Starlette cancels a streamed response on disconnect, but not a route still awaiting)."""
+
+    async def collect() -> list[RequestOutput]:
+        done: list[RequestOutput | None] = [None] * len(streams)
+        async for index, out in merged(streams):
+            if out.finished:
+                done[index] = out
+        return done
+
+    async def disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    answer, gone = asyncio.create_task(collect()), asyncio.create_task(disconnect())
+    try:
+        await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not answer.done():
+            answer.cancel()  # its `merged` aborts the unfinished streams
+        await asyncio.gather(answer, gone, return_exceptions=True)
+    if answer.cancelled():
+        logger.info("client left %s before its answer: aborted %d request(s)", request.url.path, len(streams))
+        return None
+    return answer.result()
+
+
+async def off_loop(fn: Callable, *args):
+    """`fn(*args)` on a worker thread: work that grows with the request never holds the event loop."""
+    return await run_in_threadpool(fn, *args)
+
+
+def _vllm_prompt_logprobs(out: RequestOutput, top: int, token_text: Callable[[int], str]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt position None (the first) or {token id: {logprob, rank,
+    decoded_token}} for the prompt's token and the `top` most likely."""
+    result: list[dict | None] = [None]
+    tops = out.prompt_top_logprobs or [None] * len(out.prompt_token_ids)
+    for token, lp, rank, alts in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], out.prompt_ranks[1:],
+                                     tops[1:]):
+        entry = {str(token): {"logprob": lp, "rank": rank, "decoded_token": token_text(token)}}
+        for r, (k, v) in enumerate((alts or {}).items(), start=1):
+            entry.setdefault(str(k), {"logprob": v, "rank": r, "decoded_token": token_text(k)})
+        result.append(entry)
+    return result
+
+
+def _reason(out: RequestOutput) -> str | None:
+    return out.finish_reason if out.finish_reason in ("stop", "length") else None
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {to_json(payload).decode()}\n\n"
