@@ -1,0 +1,261 @@
+"""One request never harms another: `kiln serve` (a fresh process, with failures injected into chosen
+requests by `faulty_serve`) against the attacks a hostile or careless client makes. Each attack gets
+its 4xx or fails alone; the requests beside it get the tokens they get alone; the server stays up,
+small and answering."""
+
+import asyncio
+import json
+import os
+import random
+import socket
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.oracle import PROMPTS
+from tests.processes import REPO, free_port, server_process
+from tests.runtime.faulty_serve import FAULTS, KILL_ENGINE, NAN_PROMPT_SCORES
+
+MODEL = "demo"
+VOCAB = 512
+MAX_LOGIT_BIAS = 600
+LIMITS = ["--max-model-len", "256", "--header-timeout", "1", "--body-timeout", "2", "--max-choices", "2500",
+          "--max-grammar-bytes", "1M", "--max-logit-bias", str(MAX_LOGIT_BIAS)]
+
+
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def _command(model_dir, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "tests.runtime.faulty_serve", "serve", str(model_dir), "--port", str(port),
+            "--artifact", "eager", "--served-model-name", MODEL, *extra]
+
+
+@pytest.fixture(scope="module")
+def server(demo_dirs, tmp_path_factory):
+    """(base URL, pid) of the faulty `kiln serve` over the demo llama, eager."""
+    port, log = free_port(), tmp_path_factory.mktemp("abuse") / "serve.log"
+    with server_process(_command(demo_dirs["llama"], port, *LIMITS), port, log, env=ENV) as (proc, url):
+        yield url, proc.pid
+
+
+def _body(prompt: str = PROMPTS[0], **extra) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, **extra}
+
+
+NEIGHBOURS = [_body(PROMPTS[1]), _body(PROMPTS[2], temperature=0.8, seed=11),
+              _body(PROMPTS[3], presence_penalty=0.5, logprobs=2)]
+"""Requests that run beside an attack: greedy, seeded sampling, and an adjusted row with logprobs."""
+
+
+def _post(url: str, body: dict, path: str = "/v1/completions") -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=120)
+
+
+async def _together(url: str, bodies: list[dict]) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        return await asyncio.gather(*(http.post("/v1/completions", json=b) for b in bodies))
+
+
+def _texts(responses: list[httpx.Response]) -> list[tuple[str, list[str] | None, list[float] | None]]:
+    """Each choice's text, its tokens and their logprobs (where asked)."""
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    choices = [c for r in responses for c in r.json()["choices"]]
+    return [(c["text"], c["logprobs"] and c["logprobs"]["tokens"], c["logprobs"] and c["logprobs"]["token_logprobs"])
+            for c in choices]
+
+
+@pytest.fixture(scope="module")
+def alone(server) -> list[dict]:
+    """Each neighbour's choice when it runs by itself."""
+    return _texts([_post(server[0], body) for body in NEIGHBOURS])
+
+
+def _alongside(url: str, attack: dict, alone: list[dict]) -> httpx.Response:
+    """Send `attack` with the neighbours at once; check they got what they get alone; its response."""
+    responses = asyncio.run(_together(url, [attack, *NEIGHBOURS]))
+    for (text, tokens, logprobs), (text_alone, tokens_alone, logprobs_alone) in zip(_texts(responses[1:]), alone):
+        assert (text, tokens) == (text_alone, tokens_alone)  # the same tokens; logprobs to a batch's rounding
+        assert logprobs == logprobs_alone or logprobs == pytest.approx(logprobs_alone, abs=1e-4)
+    assert httpx.get(url + "/health").status_code == 200
+    return responses[0]
+
+
+def _rss(pid: int) -> int:
+    """Resident bytes of a process (VmRSS)."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("seed, n", [(2**64, 1), (-(2**63) - 1, 1), (2**64 - 1, 2), (2**63 - 1, 2)])
+def test_seeds_outside_64_bits_are_refused_and_serving_goes_on(server, path, seed, n):
+    url = server[0]
+    body = ({"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})
+    response = _post(url, {"model": MODEL, "max_tokens": 2, "seed": seed, "n": n, **body}, path)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "seed" and "64-bit" in response.json()["error"]["message"]
+    edge = 2**63 - n if seed > 0 else -(2**63)
+    assert _post(url, {"model": MODEL, "max_tokens": 2, "seed": edge, "n": n, **body}, path).status_code == 200
+    assert httpx.get(url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("seed", sorted(FAULTS), ids=[FAULTS[s] for s in sorted(FAULTS)])
+def test_a_failure_in_one_request_fails_it_alone(server, alone, seed, stream):
+    """Each stage of a request's life raising an exception type kiln has never heard of: that request
+    gets a 500 in OpenAI's shape (an error event when streaming), the others their own tokens."""
+    attack = _body(PROMPTS[4], seed=seed, presence_penalty=0.3, stream=stream)
+    response = _alongside(server[0], attack, alone)
+    if stream:
+        events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+        assert response.text.rstrip().endswith("data: [DONE]")
+        assert events[-1]["error"]["type"] == "server_error" and "Injected" in events[-1]["error"]["message"]
+    else:
+        assert response.status_code == 500, response.text
+        assert response.json()["error"]["type"] == "server_error" and "Injected" in response.json()["error"]["message"]
+
+
+def test_every_token_masked_is_refused_alone(server, alone):
+    attack = _body(temperature=1, min_tokens=1, stop_token_ids=list(range(VOCAB)))
+    response = _alongside(server[0], attack, alone)
+    assert response.status_code == 400 and "no token could be sampled" in response.json()["error"]["message"]
+
+
+def test_a_grammar_llguidance_gives_up_on_fails_alone(server, alone):
+    """2000 choices pass the cap here (2500) and llguidance's checks, then overflow its parser at the
+    first token: that request ends with a 400 carrying llguidance's reason."""
+    words, rng = ["the", "kiln", "fire", "clay", "pot"], random.Random(0)
+    choices = [" ".join(rng.choice(words) for _ in range(5)) + str(i) for i in range(2000)]
+    response = _alongside(server[0], _body(guided_choice=choices, max_tokens=30), alone)
+    assert response.status_code == 400, response.text
+    assert "max is 2000" in response.json()["error"]["message"]
+    over = _post(server[0], _body(guided_choice=[f"c{i}" for i in range(2501)]))
+    assert over.status_code == 400 and "--max-choices" in over.json()["error"]["message"]
+
+
+def test_a_huge_body_is_refused_before_it_is_read(server):
+    """100 MB, declared or streamed: 413 naming the flag, and the server's memory barely moves. A body
+    just under the limit is tokenized off the event loop: health checks answer while it is."""
+    url, pid = server
+    before = _rss(pid)
+    declared = httpx.post(url + "/v1/completions", content=b"x" * (100 * 2**20), timeout=60)
+    assert declared.status_code == 413 and "--max-request-bytes" in declared.json()["error"]["message"]
+
+    def token_ids():
+        yield b'{"model": "demo", "prompt": ['
+        for _ in range(100):
+            yield b"11," * (2**20 // 3)
+        yield b"11]}"
+
+    streamed = httpx.post(url + "/v1/completions", content=token_ids(), timeout=60)
+    assert streamed.status_code == 413
+    assert _rss(pid) - before < 200 * 2**20
+
+    async def long_prompt_beside_health_checks() -> tuple[httpx.Response, int]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            big = asyncio.create_task(http.post("/v1/completions", json=_body("kiln fire " * 390_000)))
+            answered = 0
+            while not big.done():
+                answered += (await http.get("/health")).status_code == 200
+            return await big, answered
+
+    big, answered = asyncio.run(long_prompt_beside_health_checks())
+    assert big.status_code == 400 and "no room to generate" in big.json()["error"]["message"]
+    assert answered >= 2
+
+
+def test_caps_name_their_flags_and_large_requests_within_them_work(server, demo_dirs):
+    from kiln.runtime.tokenizer import Tokenizer
+
+    url = server[0]
+    cases = [({"logit_bias": {str(t): 1 for t in range(MAX_LOGIT_BIAS + 1)}}, "--max-logit-bias"),
+             ({"stop": [f"s{i}" for i in range(65)]}, "--max-stop-strings"),
+             ({"stop": ["x" * 1025]}, "--max-stop-length"),
+             ({"guided_regex": "(" + "|".join(f"w{i}" for i in range(150_000)) + ")"}, "--max-grammar-bytes"),
+             ({"logit_bias": {"\u00b2": 1}}, "logit_bias"), ({"logit_bias": {"1" * 5000: 1}}, "logit_bias")]
+    for extra, flag in cases:
+        response = _post(url, _body(**extra))
+        assert response.status_code == 400 and flag in response.json()["error"]["message"], (flag, response.text)
+    # every token biased: the one raised is the only one ever chosen
+    tok = Tokenizer(demo_dirs["llama"])
+    [the] = tok.encode(" the", add_special_tokens=False)
+    biased = {str(t): -100 for t in range(VOCAB)} | {str(the): 100}
+    got = _post(url, _body(logit_bias=biased, max_tokens=4, temperature=0.7, seed=3)).json()["choices"][0]
+    assert got["text"] == " the" * 4
+    # 64 stop strings cut where the one that occurs alone does
+    plain = _post(url, _body(max_tokens=24)).json()["choices"][0]["text"]
+    stop = plain[10:13]
+    one = _post(url, _body(max_tokens=24, stop=[stop])).json()["choices"][0]
+    many = _post(url, _body(max_tokens=24, stop=[f"zq{i}" for i in range(63)] + [stop])).json()["choices"][0]
+    assert one["text"] == many["text"] == plain[:plain.index(stop)] and many["finish_reason"] == "stop"
+
+
+def test_slow_clients_are_cut_off(server):
+    """Headers trickling past --header-timeout: the connection is closed; a body past --body-timeout: 408."""
+    host, port = server[0].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        for _ in range(2):  # a byte now and then does not keep it open
+            time.sleep(0.3)
+            s.sendall(b"X")
+        try:
+            assert s.recv(1024) == b""  # closed by the server, well before the 10 s socket timeout
+        except ConnectionResetError:
+            pass
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"model\": ")
+        answer = b""
+        while chunk := s.recv(4096):
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408") and b"--body-timeout" in answer
+    assert httpx.get(server[0] + "/health").status_code == 200
+
+
+def _strict_json(text: str):
+    def refuse(name):
+        raise AssertionError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_nan_and_infinite_logprobs_are_still_json(server, stream):
+    """Logits of NaN (a broken model) and -inf give logprobs JSON can carry: null and -9999.0."""
+    body = _body(PROMPTS[0], seed=NAN_PROMPT_SCORES, echo=True, logprobs=1, max_tokens=2, stream=stream)
+    response = _post(server[0], body)
+    assert response.status_code == 200, response.text
+    if stream:
+        payloads = [_strict_json(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+        scores = payloads[0]["choices"][0]["logprobs"]["token_logprobs"]
+    else:
+        scores = _strict_json(response.text)["choices"][0]["logprobs"]["token_logprobs"]
+    assert scores[:3] == [None, None, -9999.0]  # the first token has none; then NaN, then -inf
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"model": "demo", "prompt": "\\ud800 kiln"}',
+    b'{"model": "demo", "prompt": "kiln", "stop": ["\\udfff"]}',
+    b'{"model": "demo", "messages": [{"role": "user", "content": "a\\ud83d"}]}',
+])
+def test_lone_surrogates_are_a_400(server, raw):
+    path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
+    response = httpx.post(server[0] + path, content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+
+
+def test_a_dead_engine_thread_ends_the_process(demo_dirs, tmp_path):
+    """A failure outside any request (a kiln bug in the engine loop) stops the engine thread: the request
+    in flight is answered 503 and the process exits non-zero, for its supervisor to restart it."""
+    port, log = free_port(), tmp_path / "serve.log"
+    with server_process(_command(demo_dirs["llama"], port), port, log, env=ENV) as (proc, url):
+        response = _post(url, _body(seed=KILL_ENGINE))
+        assert response.status_code == 503 and "engine stopped" in response.json()["error"]["message"]
+        assert proc.wait(timeout=60) == 1, "the server kept running with a dead engine"
+    text = log.read_text()
+    assert "the engine thread stopped" in text and "kiln: error: the engine stopped" in text
