@@ -14,8 +14,17 @@ from kiln.bench.decode import decode_step_seconds  # noqa: F401  (re-exported: t
 
 
 def machine() -> dict:
-    return {"threads": torch.get_num_threads(), "torch": torch.__version__,
+    return {"cpu": _cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), so each figure says which machine gave it."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown"
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown")
 
 
 def median_seconds(fn, repeats: int = 200, sync=None) -> float:

@@ -1,0 +1,179 @@
+"""`kiln serve` against a hostile client: what each attack is answered, and what it costs the requests
+beside it.
+
+    python benchmarks/abuse.py [--out results.json] [--skip-costs]
+
+Two servers, each a fresh `kiln serve` process run eagerly, as a user would start it:
+
+- answers: the demo model, default limits. Each attack of the server's threat list once, with the
+  status and message it gets, and whether /health still answers 200 after it.
+- costs: random weights in Qwen2.5-0.5B's shape with its full 151936-token vocabulary (a word-level
+  tokenizer over it), the caps raised so that the costly requests are admitted. A plain request (32
+  prompt tokens, 32 greedy tokens) is timed alone (median of 3), then again beside each attack: a
+  100 MB body, one request with a 100k-entry logit_bias, one with 20k stop strings of 2 KB, and as
+  the control a plain 64-token request (any neighbour shares the steps: the attacks' own cost is the
+  ratio to the control). For the body: seconds to its 413 and the server's RSS before, after and at
+  its peak.
+"""
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import emit, machine, process_memory, start_server  # noqa: E402  (benchmarks/ is the script's dir)
+
+PLAIN = {"model": "m", "prompt": [(13 * i) % 5000 + 100 for i in range(32)], "max_tokens": 32, "temperature": 0,
+         "ignore_eos": True}
+
+
+def attacks() -> dict[str, tuple[str, dict | bytes]]:
+    """name -> (path, body) of each attack the server must turn away or contain."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    plain = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    return {
+        "seed 2^64": ("/v1/completions", {**plain, "seed": 2**64}),
+        "seed -2^63-1 (chat)": ("/v1/chat/completions", {**chat, "seed": -(2**63) - 1}),
+        "seed 2^64-1, n 2": ("/v1/completions", {**plain, "seed": 2**64 - 1, "n": 2}),
+        "every token masked": ("/v1/completions", {**plain, "temperature": 1, "min_tokens": 1,
+                                                   "stop_token_ids": list(range(512))}),
+        "guided_choice of 2000": ("/v1/completions", {**plain, "guided_choice": [f"c{i}" for i in range(2000)]}),
+        "100 MB prompt": ("/v1/completions", b'{"model": "m", "prompt": "' + b"x" * 100 * 2**20 + b'"}'),
+        "5M logit_bias keys": ("/v1/completions", b'{"model": "m", "prompt": "hi", "logit_bias": {'
+                               + b", ".join(b'"%d": 1' % i for i in range(5_000_000)) + b"}}"),
+        "100k logit_bias entries": ("/v1/completions", {**plain, "logit_bias": {str(i): 1 for i in range(100_000)}}),
+        "20k stop strings of 2 KB": ("/v1/completions", {**plain, "stop": ["x" * 2047 + str(i % 10) for i in range(20_000)]}),
+        "logit_bias key '\u00b2'": ("/v1/completions", {**plain, "logit_bias": {"\u00b2": 1}}),
+        "lone surrogate": ("/v1/completions", b'{"model": "m", "prompt": "\\ud800"}'),
+        "NaN temperature": ("/v1/completions", b'{"model": "m", "prompt": "hi", "temperature": NaN}'),
+    }
+
+
+def answers(model_dir: Path) -> dict:
+    server, url, _ = start_server(model_dir, None, "--artifact", "eager", "--served-model-name", "m")
+    try:
+        found = {}
+        for name, (path, body) in attacks().items():
+            start = time.perf_counter()
+            content = body if isinstance(body, bytes) else None
+            r = httpx.post(url + path, content=content, json=None if content else body, timeout=120)
+            message = r.json()["error"]["message"] if r.status_code != 200 else "ok"
+            found[name] = {"status": r.status_code, "seconds": round(time.perf_counter() - start, 3),
+                           "message": message[:160], "healthy_after": httpx.get(url + "/health").status_code == 200}
+            print(f"{name}: {r.status_code} {message[:100]}", flush=True)
+        return found
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+async def _plain_latency(http: httpx.AsyncClient) -> float:
+    start = time.perf_counter()
+    r = await http.post("/v1/completions", json=PLAIN)
+    assert r.status_code == 200, r.text
+    return time.perf_counter() - start
+
+
+async def _beside(url: str, attack) -> dict:
+    """The plain request's latency while `attack` (a coroutine function taking the client) runs."""
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        task = asyncio.create_task(attack(http))
+        await asyncio.sleep(0.05)  # the attack is admitted first
+        latency = await _plain_latency(http)
+        result = await task
+    return {"plain_s": round(latency, 3), **result}
+
+
+def costs(work: Path) -> dict:
+    model_dir = write_model(work / "qwen2.5-0.5b-shape")
+    server, url, ready = start_server(model_dir, None, "--artifact", "eager", "--served-model-name", "m",
+                                      "--max-model-len", "2048", "--max-request-bytes", "64M",
+                                      "--max-logit-bias", "200000", "--max-stop-strings", "20000",
+                                      "--max-stop-length", "2048")
+    try:
+        async def solo() -> list[float]:
+            async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+                await _plain_latency(http)  # warm-up
+                return [await _plain_latency(http) for _ in range(3)]
+
+        alone = statistics.median(asyncio.run(solo()))
+        results = {"ready_s": round(ready, 1), "plain_alone_s": round(alone, 3)}
+        before = process_memory(server.pid, "VmRSS")
+
+        async def huge_body(http):
+            start = time.perf_counter()
+            r = await http.post("/v1/completions", content=b"x" * (100 * 2**20))
+            return {"status": r.status_code, "answered_s": round(time.perf_counter() - start, 3)}
+
+        async def control(http):  # what any neighbour costs: sharing the steps
+            r = await http.post("/v1/completions", json={**PLAIN, "max_tokens": 64})
+            return {"status": r.status_code}
+
+        async def bias(http):
+            body = {**PLAIN, "max_tokens": 64, "logit_bias": {str(i): 0.5 for i in range(100_000)}}
+            r = await http.post("/v1/completions", json=body)
+            return {"status": r.status_code}
+
+        async def stops(http):
+            body = {**PLAIN, "max_tokens": 64, "stop": ["x" * 2047 + str(i % 10) for i in range(20_000)]}
+            r = await http.post("/v1/completions", json=body)
+            return {"status": r.status_code}
+
+        for name, attack in (("100 MB body", huge_body), ("plain neighbour", control), ("100k logit_bias", bias),
+                             ("20k stop strings", stops)):
+            found = asyncio.run(_beside(url, attack))
+            found["plain_vs_alone"] = round(found["plain_s"] / alone, 2)
+            if name in ("100k logit_bias", "20k stop strings"):
+                found["plain_vs_beside_plain"] = round(found["plain_s"] / results["plain neighbour"]["plain_s"], 2)
+            if name == "100 MB body":
+                found.update(rss_before_mb=round(before / 2**20), rss_after_mb=round(process_memory(server.pid, "VmRSS") / 2**20),
+                             rss_peak_mb=round(process_memory(server.pid, "VmHWM") / 2**20))
+            results[name] = found
+            print(name, found, flush=True)
+        return results
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def write_model(out: Path) -> Path:
+    """Qwen2.5-0.5B's shape with random weights (`quantization.write_05b_model`), and a word-level
+    tokenizer over its whole vocabulary: token i is the word "w{i}"."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from quantization import write_05b_model
+
+    if not (out / "config.json").is_file():
+        write_05b_model(out)
+    config = json.loads((out / "config.json").read_text())
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(config["vocab_size"])}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(out / "tokenizer.json"))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="write the JSON here too")
+    parser.add_argument("--skip-costs", action="store_true", help="the answers only (no 0.5B-shaped model)")
+    args = parser.parse_args()
+    from kiln.models.demo import write_demo_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {"machine": machine(),
+                   "answers": answers(write_demo_model(Path(tmp) / "demo", train_steps=0))}
+        if not args.skip_costs:
+            results["costs"] = costs(Path(tmp))
+    emit(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
