@@ -83,7 +83,7 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = Field(None, description="a signed 64-bit integer; choice i uses seed + i")
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="choice i uses seed + i")
     ignore_eos: bool = False
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)

@@ -229,6 +229,10 @@ def _openapi(app: FastAPI, model_name: str, config: ServerConfig) -> Callable[[]
             components.update(found.pop("$defs", {}))
             components[model.__name__] = found
             found["properties"]["model"]["enum"] = [model_name]
+        for component in components.values():  # as FastAPI writes them: an absent field, not a null default
+            for field in component.get("properties", {}).values():
+                if "default" in field and field["default"] is None:
+                    del field["default"]
         for operations in schema["paths"].values():
             for operation in operations.values():
                 operation["responses"].pop("422", None)
