@@ -209,7 +209,7 @@ class Engine:
         for seq, n in zip(batch.seqs, batch.num_tokens):
             self.scheduler.computed(seq, n)
         if tokens is not None:
-            result = SampleResult(tokens.tolist(), [None] * len(rows), [None] * len(rows), [None] * len(rows))
+            result = SampleResult.of(tokens.tolist())
         else:
             result = self._sample(sampling, guided, masks, logits, failed)
         outputs = []
@@ -247,15 +247,14 @@ class Engine:
                     failed.setdefault(sampling[j].request_id, error)
             apply_masks(adjusted, guided, bitmask)
         params, generators = [s.params for s in sampling], [s.generator for s in sampling]
-        drawing = {id(g): g for g in [*generators, self.default_generator] if g is not None}
-        states = {key: g.get_state() for key, g in drawing.items()}
+        drawn = [g or self.default_generator for p, g in zip(params, generators) if p.temperature >= GREEDY_BELOW]
+        states = {id(g): (g, g.get_state()) for g in drawn}  # what a draw advances, to draw again from
         try:
             result = sample(logits, params, generators, self.default_generator, adjusted)
         except Exception:  # noqa: BLE001 - again row by row, from the same random state
-            for key, g in drawing.items():
-                g.set_state(states[key])
-            result = SampleResult([0] * len(sampling), [None] * len(sampling), [None] * len(sampling),
-                                  [None] * len(sampling))
+            for g, state in states.values():
+                g.set_state(state)
+            result = SampleResult.of([0] * len(sampling))
             for j in range(len(sampling)):
                 try:
                     one = sample(logits[j:j + 1], params[j:j + 1], generators[j:j + 1], self.default_generator,
@@ -276,8 +275,8 @@ class Engine:
         seq.token_ids.append(token)
         seq.logprobs.append(logprob)
         seq.top_logprobs.append(top)
-        if seq.matcher is not None and not seq.matcher.accept(token):
-            raise _grammar_refusal(seq, token)
+        if seq.matcher is not None and not seq.matcher.accept(token):  # llguidance gave up, else a kiln bug
+            raise seq.matcher.failure() or RuntimeError(f"sampled token {token} breaks the request's grammar")
         delta = seq.detokenizer.add(token) if seq.detokenizer is not None else ""
         reason, cut = self._check_stop(seq, token, len(delta))
         if reason is not None:
@@ -355,15 +354,6 @@ class Engine:
             prompt_top_logprobs=list(seq.prompt_top_logprobs) if seq.params.prompt_logprobs else None,
             prompt_ranks=list(seq.prompt_ranks) if seq.params.prompt_logprobs is not None else None,
         )
-
-
-def _grammar_refusal(seq: Sequence, token: int) -> Exception:
-    """Why the grammar refused a token its own mask allowed: llguidance gave up (the request's doing),
-    or, never expected, a disagreement between the mask and the matcher."""
-    reason = seq.matcher.error
-    if reason is not None:
-        return KilnError(f"structured output: llguidance stopped this request's grammar: {reason}")
-    return RuntimeError(f"sampled token {token} breaks the request's grammar")
 
 
 def plain_greedy(p: SamplingParams) -> bool:

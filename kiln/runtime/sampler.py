@@ -98,8 +98,13 @@ class SampleResult:
     logprobs: list[float | None]
     """The chosen token's logprob, for the rows that asked for logprobs (None for the others)."""
     top_logprobs: list[dict[int, float] | None]
-    failures: list[Exception | None] = field(default_factory=list)
+    failures: list[Exception | None]
     """Per row, why it has no token (its entry in `token_ids` is then meaningless), or None."""
+
+    @classmethod
+    def of(cls, token_ids: list[int]) -> "SampleResult":
+        """Tokens alone: no logprobs, no failure."""
+        return cls(token_ids, [None] * len(token_ids), [None] * len(token_ids), [None] * len(token_ids))
 
 
 def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:

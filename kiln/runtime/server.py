@@ -112,8 +112,9 @@ class ApiKeyMiddleware:
 
 def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_model_len: int,
                on_ready: Callable[[], None] | None = None, config: ServerConfig | None = None) -> FastAPI:
-    """The app over a started `engine`. `config` brings the API key, CORS origins and the request limits
-    (its queue limit and timeout are the engine's: `AsyncEngine(max_queued=, request_timeout=)`)."""
+    """The app over a started `engine`. `config` brings the API key, CORS origins, the body limits and
+    the per-request caps; its listening options (host, port, TLS, header and keep-alive timeouts) are
+    `serve`'s, and its queue limit and timeout the engine's (`AsyncEngine(max_queued=, request_timeout=)`)."""
     config = config or ServerConfig()
     server = Server(engine, tokenizer, model_name, max_model_len, config)
 

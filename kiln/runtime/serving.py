@@ -115,7 +115,6 @@ class Server:
                     prompt_logprobs: int | None = None) -> list[RequestStream]:
         """`count` (default n) engine requests per prompt (prompt-major), all validated before any runs."""
         limits = [self.max_tokens(len(ids), max_tokens) for ids, _ in prompts]
-        self.engine.admit(len(prompts) * (count or request.n))
         requests = [(ids, request.sampling_params(limit, logprobs, i, prompt_logprobs, structured), text)
                     for (ids, text), limit in zip(prompts, limits) for i in range(count or request.n)]
         return await self.engine.add_all(requests)

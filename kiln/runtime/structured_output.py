@@ -56,12 +56,13 @@ class GrammarMatcher:
     def accept(self, token: int) -> bool:
         return self._m.consume_token(token)
 
-    @property
-    def error(self) -> str | None:
-        """Why the grammar cannot go on (llguidance's first line: it may append the whole grammar), or None."""
+    def failure(self) -> KilnError | None:
+        """Why llguidance gave up on this grammar (the first line of its error: it may append the whole
+        grammar), or None. The request's own doing: a grammar too complex for it."""
         if not self._m.is_error():
             return None
-        return self._m.get_error().strip().splitlines()[0][:500]
+        reason = self._m.get_error().strip().splitlines()[0][:500]
+        return KilnError(f"structured output: llguidance stopped this request's grammar: {reason}")
 
     @property
     def done(self) -> bool:
@@ -123,12 +124,9 @@ def fill_masks(matchers: list[GrammarMatcher], vocab_size: int) -> tuple[torch.T
     for i, (row, matcher) in enumerate(zip(bitmask, matchers)):
         try:
             matcher.fill_mask(row)
-            reason = matcher.error
+            errors[i] = matcher.failure()
         except Exception as e:  # noqa: BLE001 - one request's grammar fails that request only
             errors[i] = e
-            continue
-        if reason is not None:
-            errors[i] = KilnError(f"structured output: llguidance stopped this request's grammar: {reason}")
     return bitmask, errors
 
 

@@ -20,7 +20,7 @@ class TooManyTokens(KilnError):
 
     def __init__(self, count: int, limit: int):
         super().__init__(f"the text has {count} tokens, more than the {limit} allowed")
-        self.count, self.limit = count, limit
+        self.count = count
 
 
 def _ids(value) -> list[int]:
@@ -43,7 +43,6 @@ class Tokenizer:
                 "save one with transformers' AutoTokenizer.save_pretrained, or pass token ids"
             )
         self._tok = HFTokenizer.from_file(str(path))
-        self._encode_batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         self.path = path
         f = model_dir / "tokenizer_config.json"
         self._config = json.loads(f.read_text()) if f.is_file() else {}
@@ -84,7 +83,7 @@ class Tokenizer:
         """Token ids of `text`; `TooManyTokens` if there are more than `max_tokens`, found before the
         list is built. Through `encode_batch_fast`, which releases the GIL (a long prompt never stalls
         the server's event loop) and skips the character offsets kiln does not use."""
-        encoding = self._encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        encoding = self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
         if max_tokens is not None and len(encoding) > max_tokens:
             raise TooManyTokens(len(encoding), max_tokens)
         return encoding.ids
