@@ -17,7 +17,7 @@ from kiln.kernels import huge_pages, pack_cache, packed_linear
 from kiln.kernels.pack_cache import PackFile, Slot
 from kiln.models.config import ModelConfig
 from kiln.models.lm_head import quantize_lm_head
-from kiln.models.loader import checkpoint_bytes, checkpoint_identity, load_weights
+from kiln.models.loader import checkpoint_bytes, load_weights
 from kiln.models.quantization import check_scheme, quantize_model
 from kiln.models.registry import create_model
 from kiln.passes import GraphPass
@@ -47,8 +47,9 @@ class LLM:
     "bfloat16" or "float16" cast to it. Before loading, the weights and a KV cache are checked
     against the memory available; the KV cache then takes `memory_utilization` of what is left.
     `artifact=PATH` runs that artifact directly (no key lookup, never compiles). On a CPU, a compiled
-    program's packed weights are kept in `cache_dir`/packed and mapped from there by later loads
-    (`kiln.kernels.pack_cache`; `$KILN_PACK_CACHE=off` packs them in memory at every load).
+    program's packed weights are kept in `cache_dir`/packed, keyed by the checkpoint's contents, and
+    read back, every byte checked, by later loads (`kiln.kernels.pack_cache`; `$KILN_PACK_CACHE=off`
+    packs them in memory at every load).
     `tensor_parallel_size=N` splits the model over N processes started by `torchrun --nproc-per-node N`:
     every rank builds its share, and every rank returns the same outputs. `threads` sets the CPU
     threads (default: the machine's physical cores). `lm_head_quantization="int8"` (or "w7a8") runs the LM
@@ -92,7 +93,8 @@ class LLM:
         engine_config = EngineConfig(**engine_options)
         self._check_memory(engine_config)
         self.model = create_model(self.model_config, parse_dtype(self.dtype), self.device, self.parallel)
-        load_weights(self.model, model_dir)
+        self.checkpoint_checksum = load_weights(self.model, model_dir)
+        """The checksum of every checkpoint byte loaded (`kiln.checksum`): what keys the packed weights."""
         self.quantization = check_scheme(quantization)
         """The scheme the projections were quantized to at load (None: as the checkpoint has them)."""
         if quantization:
@@ -184,12 +186,12 @@ class LLM:
     def _pack_file(self, cache_dir: Path, quantization: str | None,
                    lm_head_quantization: str | None) -> Callable[[list[Slot]], PackFile] | None:
         """Where a compiled program's packed weights are kept between loads (`kiln.kernels.pack_cache`),
-        keyed by this checkpoint, its quantization and this rank's shard; None off the CPU or where
+        keyed by this checkpoint's contents, its quantization and this rank's shard; None off the CPU or where
         `$KILN_PACK_CACHE` is off."""
         folder = pack_cache.folder_for(cache_dir)
         if folder is None or self.device.type != "cpu":
             return None
-        identity = {"checkpoint": checkpoint_identity(self.model_dir), "dtype": self.dtype,
+        identity = {"checkpoint": self.checkpoint_checksum, "dtype": self.dtype,
                     "quantization": quantization, "lm_head_quantization": lm_head_quantization,
                     "shard": [self.parallel.rank, self.parallel.world_size], "torch": torch.__version__,
                     "kiln_source": kiln_source_hash()}  # packing, loading and quantizing code
@@ -200,9 +202,10 @@ class LLM:
         """Load the artifact for this model and config; compile it first if it is absent or broken."""
         from kiln.compiler import artifact  # imports Inductor's loader (~1.5 s): only when compiling
 
-        path = self.artifact_path = cache_dir / cache_key(model_factors(self.model, compile_config, passes))
+        factors = model_factors(self.model, compile_config, passes)
+        path = self.artifact_path = cache_dir / cache_key(factors)
         try:
-            return artifact.load(path, self.model, release_weights=True, packs=self._packs)
+            return artifact.load(path, self.model, release_weights=True, packs=self._packs, factors=factors)
         except artifact.ArtifactError as e:
             if require_artifact:
                 raise

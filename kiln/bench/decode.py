@@ -10,8 +10,8 @@ the weights at the speed of a plain sum and doing nothing else.
 For each batch size B, B sequences of `--prompt-len` tokens are prefilled, then `--steps` decode steps
 are timed one by one (the median is reported): `ms_per_token` is a step's time, the latency each
 sequence sees per token, and `tokens_per_s` is B tokens over it. Timing starts once the packed
-weights are on huge pages, as a server's are after a moment idle (`kiln.kernels.huge_pages`) or at
-once when mapped from the cache (`kiln.kernels.pack_cache`), and `huge_page_gb` says how much is there.
+weights are on huge pages, as a server's are after a moment idle (`kiln.kernels.huge_pages`), and
+`huge_page_gb` says how much is there.
 """
 
 import argparse
@@ -118,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kiln import LLM
-    from kiln.kernels import huge_pages, pack_cache
+    from kiln.kernels import huge_pages
 
     if args.steps < 1 or args.prompt_len < 1:
         raise KilnError("--steps and --prompt-len must be at least 1")
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     decode_step_seconds(llm, 1, 2, args.prompt_len)  # warm-up: first-call costs
     if not huge_pages.wait(HUGE_PAGES_WAIT_S):  # the steady state a server reaches once idle a moment
         logger.warning("packed weights not all on huge pages after %d s: measuring as they are", HUGE_PAGES_WAIT_S)
-    huge_bytes = huge_pages.collapsed_bytes() + pack_cache.mapped_bytes()
+    huge_bytes = huge_pages.collapsed_bytes()
     bandwidth = read_bandwidth()
     screened = llm.engine.runner.greedy_tokens is not None  # greedy steps read the head's int8 copy
     weights = decode_weight_bytes(llm.model, screened)

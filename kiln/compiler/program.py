@@ -248,10 +248,10 @@ class CompiledProgram:
         self.greedy_tokens = lm_head.greedy if single and lm_head is not None and lm_head.screens else None
         """hidden -> argmax tokens without the logits, or None when it cannot tell (`PackedHead.greedy`)."""
         self.reserved_bytes = lm_head.pending_bytes if self.greedy_tokens is not None else 0
-        self.pack_file: PackFile | None = None
-        """The file its packed weights are mapped from or written to (`kiln.kernels.pack_cache`), if any."""
         """Memory the program takes that the kernel still counts as available when the KV cache is sized:
-        the LM head's screen, built on first use, and packed weights mapped from a file (`artifact.load`)."""
+        the LM head's screen, built on first use."""
+        self.pack_file: PackFile | None = None
+        """The file its packed weights are read from or written to (`kiln.kernels.pack_cache`), if any."""
         self._per_call = [(i, spec) for i, spec in enumerate(inputs) if spec.kind in ("input", "meta", "kv_cache")]
         self._sizes = [(i, spec.of, spec.dim) for i, spec in enumerate(inputs) if spec.kind == "size"]
         self.capture_sizes: tuple[int, ...] = ()

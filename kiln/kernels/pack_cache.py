@@ -1,49 +1,49 @@
-"""Packed weights kept in a file beside the artifacts, and mapped at a later load straight from the
-page cache: on huge pages from the first step, with no packing.
+"""Packed weights kept in a file beside the artifacts, so that a later load reads them back instead of
+packing them again; every byte read back is checked first.
 
-A batch-1 decode step streams every packed weight from memory, and on 4 KB pages that is a TLB miss
-every 4 KB. Anonymous memory gets onto 2 MB pages only through `huge_pages`' collapse in idle time,
-which a busy process does not have: on the 0.5B shape in fp32, batch-1 decode took 37 ms a token on
-4 KB pages and 27 once collapsed (one process, before and after). A file that Linux's page cache
-holds in 2 MB folios (ext4 and xfs on Linux 6.x) maps on 2 MB pages as it is first touched. So the
-first load packs straight into a new file's shared mapping, and a background thread makes the file
-durable (fsync) and publishes it by a rename (a process that exits sooner waits for it); a later load
-maps the published file read-only, and processes on one machine share its pages. Where the file
-system gives no 2 MB pages, or the cache cannot be written, weights are packed in memory as without
-this cache (`huge_pages` collapses them).
+The first load packs into memory (`packed_linear.pack`), and a background thread writes the packed
+weights to a new file, with an XXH3-128 checksum of each slot, makes it durable (fsync), read-only,
+and publishes it by a rename (a process that exits sooner waits for it). A later load reads each slot
+straight into memory of its own with positioned reads, on a thread per core, hashing each chunk as it
+arrives; a file whose size, header or any slot's checksum disagrees is named in a warning and packed
+again, so a damaged file costs a repack, never a wrong token.
 
-A file is keyed by its caller's identity of what it packs (`kiln.LLM`'s: the checkpoint files' path,
-size, modification time and inode, not a hash of their bytes, which would cost a second a GB at
-every start; the quantization, the tensor-parallel shard, torch's version and kiln's source) and by
-the slots (names, formats, shapes). The files live in `<cache>/packed/` (`$KILN_PACK_CACHE` moves them; `off`
-turns the cache off); `kiln cache prune` ages them out with the artifacts.
+Why a copy, not a map of the file: a mapping serves whatever the file holds now. Rewriting the file
+in place changes a running server's weights under it, and truncating it kills every process that maps
+it (SIGBUS), whatever the file's mode. Weights of one's own cost a read of the file (from the page
+cache: memory speed) and 4 KB pages until `huge_pages` collapses them in idle time, and processes on
+one machine no longer share them; the checksum of what is read is the checksum of what is served.
+
+A file is keyed by its caller's identity of what it packs (`kiln.LLM`'s: the XXH3 of every
+checkpoint byte loaded, the quantization, the tensor-parallel shard, torch's version and kiln's
+source) and by the slots (names, formats, shapes). The files live in `<cache>/packed/`
+(`$KILN_PACK_CACHE` moves them; `off` turns the cache off); `kiln cache prune` ages them out with the
+artifacts.
 """
 
 import atexit
-import ctypes
-import functools
 import hashlib
 import json
 import logging
 import math
-import mmap
 import os
-import re
+import stat
 import struct
 import threading
 import time
-import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from kiln import checksum
 from kiln.kernels import huge_pages, packed_linear
 
 logger = logging.getLogger(__name__)
 
-VERSION = 1
-"""The file layout's version (part of the key)."""
+VERSION = 2
+"""The file layout's version (part of the key). 2: a checksum per slot after the slots."""
 FOLDER = "packed"
 """Where the files live in a cache directory."""
 ENV = "KILN_PACK_CACHE"
@@ -51,17 +51,10 @@ SUFFIX = ".bin"
 MAGIC = b"KILNPACK"
 ALIGN = 4096
 """Each slot's offset in the file: a page."""
-_mapped = 0
-"""Bytes of packed weights this process maps from files (on 2 MB pages), over all loads."""
-MADV_POPULATE_READ = 22
-"""Linux 5.14+: map every page of a range now (not among Python 3.11's mmap constants)."""
-PROT_READ = 1
-
-
-def mapped_bytes() -> int:
-    """Bytes of packed weights this process maps from files, on 2 MB pages (`huge_pages` counts the
-    ones it collapsed)."""
-    return _mapped
+DIGEST_BYTES = 16
+"""One slot's XXH3-128, in the trailer."""
+CHUNK = 8 << 20
+"""Bytes read, then hashed while still in cache."""
 
 
 def folder_for(cache_dir: Path) -> Path | None:
@@ -104,75 +97,61 @@ def cache_key(identity: dict, slots: list[Slot]) -> str:
 
 
 class PackFile:
-    """The packed weights of one load, in one file under `folder`: mapped from it where it is there
-    (`hit`), else packed into a new one (`pack`, then `publish`). A weight with no slot, or every
-    weight where the file cannot be used, is packed in memory."""
+    """The packed weights of one load, kept in one file under `folder`: read back from it where it is
+    there and intact (`hit`), else packed in memory and written to a new one (`publish`). A weight with
+    no slot is packed in memory and not kept."""
 
     def __init__(self, folder: Path, identity: dict, slots: list[Slot]):
         self.slots = list(dict.fromkeys(slots))
         self.key = cache_key(identity, self.slots)
         self.path = Path(folder) / f"{self.key}{SUFFIX}"
         self.hit = False
-        self.mapped_bytes = 0
-        """Bytes of this process's weights that live in the page cache (which counts them as available)."""
-        self._views: dict[tuple[str, str], torch.Tensor] = {}
-        self._mapping: mmap.mmap | None = None
-        self._fd: int | None = None
-        self._tmp: Path | None = None
+        self.read_bytes = 0
+        """Bytes read back from the file on a hit."""
+        self._packed: dict[tuple[str, str], torch.Tensor] = {}
+        self._wanted = set(self.slots)
         self._publisher: threading.Thread | None = None
         if not self.slots:
             return
         start = time.perf_counter()
         try:
-            self.hit = self._map_published()
-            if self.hit:
-                logger.info("mapped %d packed weights (%.2f GB) from %s in %.2fs", len(self.slots),
-                            self.mapped_bytes / 1e9, self.path, time.perf_counter() - start)
-            else:
-                self._create()
+            self.hit = self._read_published()
         except OSError as e:
-            logger.warning("packed weights not cached in %s (%s): packing them in memory", folder, e)
-            self._abandon()
+            logger.warning("packed weights in %s not read (%s): packing them again", self.path, e)
+            self._packed = {}
+        if self.hit:
+            logger.info("read %d packed weights (%.2f GB) from %s, checksums verified, in %.2fs", len(self.slots),
+                        self.read_bytes / 1e9, self.path, time.perf_counter() - start)
 
     def pack(self, name: str, format: str, weight: torch.Tensor) -> torch.Tensor:
-        """`weight` packed in `format`: the file's copy on a hit, else packed into the file's slot, or
-        into memory where it has none."""
-        view = self._views.get((name, format))
-        if view is None:
-            return packed_linear.pack(format, weight)
-        if self.hit:
-            return view
-        return packed_linear.pack(format, weight, out=view)
+        """`weight` packed in `format`: the file's copy on a hit, else packed now (and kept for the file
+        where it has a slot)."""
+        if self.hit and (name, format) in self._packed:
+            return self._packed[name, format]
+        out = packed_linear.pack(format, weight)
+        if not self.hit and Slot(name, format, tuple(out.shape), _dtype(out)) in self._wanted:
+            self._packed[name, format] = out
+        return out
 
     def publish(self) -> None:
-        """Once every slot is packed (after a miss): the mapping made read-only, and the file made
-        durable and renamed into place by a background thread, which exit waits for."""
-        if self.hit or self._tmp is None:
+        """Once every slot is packed (after a miss): a background thread writes the file and renames it
+        into place; exit waits for it."""
+        if self.hit:
             return
-        address = ctypes.addressof(ctypes.c_char.from_buffer(self._mapping))
-        _libc().mprotect(address, len(self._mapping), PROT_READ)  # nothing writes a packed weight
+        tensors = [self._packed.get((s.name, s.format)) for s in self.slots]
+        self._packed = {}  # the program holds them; the writer holds them until written
+        if not tensors or any(t is None for t in tensors):
+            return
 
-        def durable() -> None:
-            started = time.perf_counter()
+        def write() -> None:
             try:
-                os.fsync(self._fd)
-                os.replace(self._tmp, self.path)
-                directory = os.open(self.path.parent, os.O_RDONLY)
-                try:
-                    os.fsync(directory)
-                finally:
-                    os.close(directory)
-                logger.info("wrote %.2f GB of packed weights to %s in %.2fs", self.mapped_bytes / 1e9, self.path,
-                            time.perf_counter() - started)
+                self._write(tensors)
             except OSError as e:
-                logger.warning("packed weights not cached in %s (%s)", self.path.parent, e)
-                self._tmp.unlink(missing_ok=True)
-            finally:
-                os.close(self._fd)  # the mapping stays: it holds the pages, not the descriptor
+                logger.warning("packed weights not kept in %s (%s): the next load packs them again", self.path.parent, e)
 
-        self._publisher = threading.Thread(target=durable, name="kiln-pack-cache", daemon=True)
+        self._publisher = threading.Thread(target=write, name="kiln-pack-cache", daemon=True)
         self._publisher.start()
-        atexit.register(_finish, self._publisher, self.path)  # the thread only: the mapping goes with its views
+        atexit.register(_finish, self._publisher, self.path)
 
     def wait(self) -> None:
         """Wait until a file being published is in place."""
@@ -182,9 +161,10 @@ class PackFile:
     # ---- the file ----
 
     def _layout(self) -> tuple[bytes, list[int], int]:
-        """(the header, each slot's offset, the file's size)."""
+        """(the header, each slot's offset, where the trailer of checksums starts)."""
         entries = [asdict(s) for s in self.slots]
-        header = json.dumps({"version": VERSION, "key": self.key, "slots": entries}).encode()
+        header = json.dumps({"version": VERSION, "key": self.key, "checksum": checksum.ALGORITHM,
+                             "slots": entries}).encode()
         offset = _align(len(MAGIC) + 8 + len(header))
         offsets = []
         for s in self.slots:
@@ -192,75 +172,110 @@ class PackFile:
             offset = _align(offset + s.nbytes)
         return MAGIC + struct.pack("<Q", len(header)) + header, offsets, offset
 
-    def _map_published(self) -> bool:
-        header, offsets, size = self._layout()
+    def _read_published(self) -> bool:
+        """Read every slot into memory of this process's own, checking each against its checksum;
+        False (and a warning naming the file and what is wrong) where the file is absent or damaged."""
+        header, offsets, trailer = self._layout()
+        size = trailer + DIGEST_BYTES * len(self.slots)
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
             return False
         try:
-            if os.fstat(fd).st_size != size or os.pread(fd, len(header), 0) != header:
-                logger.warning("packed weights file %s does not match its key: packing again", self.path)
+            found = os.fstat(fd).st_size
+            if found != size or os.pread(fd, len(header), 0) != header:
+                problem = f"is {found} bytes, not {size}" if found != size else "has another header"
+                logger.warning("packed weights file %s %s (damaged, or not this key's): packing again", self.path,
+                               problem)
                 return False
-            mapping = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+            digests = os.pread(fd, DIGEST_BYTES * len(self.slots), trailer)
+            with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+                read = list(pool.map(lambda i: _read_slot(fd, self.slots[i], offsets[i],
+                                                          digests[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES]),
+                                     range(len(self.slots))))
         finally:
             os.close(fd)
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-        try:
-            mapping.madvise(MADV_POPULATE_READ)  # every page mapped now, not in the first steps
-        except OSError:
-            pass
-        self._mapping = mapping
-        with warnings.catch_warnings():  # read-only memory: nothing writes a packed weight
-            warnings.simplefilter("ignore", UserWarning)
-            buffer = torch.frombuffer(mapping, dtype=torch.uint8)
-        self._views = {(s.name, s.format): _view(buffer, o, s) for s, o in zip(self.slots, offsets)}
+        damaged = [s.name for s, tensor in zip(self.slots, read) if tensor is None]
+        if damaged:
+            logger.warning("packed weights file %s is damaged (the checksum of %s does not match%s): packing again",
+                           self.path, damaged[0], f", nor of {len(damaged) - 1} more" if len(damaged) > 1 else "")
+            return False
+        for tensor in read:
+            huge_pages.collapse_later(tensor)
+        self._packed = {(s.name, s.format): t for s, t in zip(self.slots, read)}
+        self.read_bytes = size
         try:
             os.utime(self.path)  # its last use, which `kiln cache prune` ages by
         except OSError:  # a read-only cache still serves its files
             pass
-        if not _on_huge_pages(buffer):
-            logger.info("%s is not on 2 MB pages here: its packed weights copied into memory for them", self.path)
-            self._views = {k: _copy_for_huge_pages(v) for k, v in self._views.items()}
-            self._mapping = None
-            return True
-        self._mapped(size)
         return True
 
-    def _mapped(self, size: int) -> None:
-        global _mapped
-        self.mapped_bytes = size
-        _mapped += size
-
-    def _create(self) -> None:
-        header, offsets, size = self._layout()
+    def _write(self, tensors: list[torch.Tensor]) -> None:
+        """Write the file aside, durable and read-only, then rename it into place."""
+        started = time.perf_counter()
+        header, offsets, trailer = self._layout()
         folder = self.path.parent
         folder.mkdir(parents=True, exist_ok=True)
         _remove_stale(folder)
-        self._tmp = folder / f"{self.key}.{os.getpid()}.tmp"
-        self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.posix_fallocate(self._fd, 0, size)  # a full disk fails here, not as a SIGBUS while packing
-        self._mapping = mmap.mmap(self._fd, size)
-        self._mapping.madvise(mmap.MADV_HUGEPAGE)
-        buffer = torch.frombuffer(self._mapping, dtype=torch.uint8)
-        views = {(s.name, s.format): _view(buffer, o, s) for s, o in zip(self.slots, offsets)}
-        if not _on_huge_pages(buffer, touch=True):
-            logger.info("%s gets no 2 MB pages on this file system: packing in memory instead", folder)
-            del buffer, views
-            self._abandon()
-            return
-        self._mapping[:len(header)] = header
-        self._views = views
-        self._mapped(size)
+        tmp = folder / f"{self.key}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            size = trailer + DIGEST_BYTES * len(tensors)
+            os.posix_fallocate(fd, 0, size)  # a full disk fails here, before anything is written
+            _write_all(fd, header, 0)
+            digests = []
+            for tensor, offset in zip(tensors, offsets):
+                data = _bytes_of(tensor)
+                digests.append(checksum.digest(data))
+                _write_all(fd, data, offset)
+            _write_all(fd, b"".join(digests), trailer)
+            os.fchmod(fd, stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)  # published read-only
+            os.fsync(fd)
+            os.replace(tmp, self.path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+        directory = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+        logger.info("wrote %.2f GB of packed weights to %s in %.2fs", size / 1e9, self.path,
+                    time.perf_counter() - started)
 
-    def _abandon(self) -> None:
-        self._views, self.mapped_bytes, self._mapping = {}, 0, None
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        if self._tmp is not None:
-            self._tmp.unlink(missing_ok=True)
-            self._tmp = None
+
+def _read_slot(fd: int, s: Slot, offset: int, expected: bytes) -> torch.Tensor | None:
+    """Slot `s` read from `fd` into a new tensor (on its way to huge pages), hashed chunk by chunk as it
+    arrives; None where the bytes do not match their checksum."""
+    tensor = huge_pages.empty(s.shape, getattr(torch, s.dtype))
+    view = _bytes_of(tensor)
+    h = checksum.hasher()
+    done = 0
+    while done < len(view):
+        chunk = view[done:done + CHUNK]
+        n = os.preadv(fd, [chunk], offset + done)
+        if n == 0:
+            return None  # cut short under us
+        h.update(chunk[:n])
+        done += n
+    return tensor if h.digest() == expected else None
+
+
+def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view[:1 << 30], offset)
+        view, offset = view[n:], offset + n
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
+
+
+def _dtype(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
 
 
 def _finish(publisher: threading.Thread, path: Path) -> None:
@@ -271,52 +286,14 @@ def _finish(publisher: threading.Thread, path: Path) -> None:
 
 def entries(folder: Path) -> list[tuple[Path, float, int]]:
     """(file, last use, bytes) of each published file under `folder`, and each unfinished one of a
-    process no longer running: what `kiln cache prune` may remove. A mapped file stays readable to
-    the processes that map it after it is removed."""
+    process no longer running: what `kiln cache prune` may remove (a process that read one holds its
+    own copy)."""
     out = []
     for path in folder.iterdir() if folder.is_dir() else ():
         if path.suffix == SUFFIX or (path.suffix == ".tmp" and not _writer_alive(path)):
             st = path.stat()
             out.append((path, st.st_mtime, st.st_size))
     return out
-
-
-def _view(buffer: torch.Tensor, offset: int, s: Slot) -> torch.Tensor:
-    return buffer[offset:offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape)
-
-
-def _copy_for_huge_pages(view: torch.Tensor) -> torch.Tensor:
-    out = huge_pages.empty(view.shape, view.dtype)
-    out.copy_(view)
-    huge_pages.collapse_later(out)
-    return out
-
-
-def _on_huge_pages(buffer: torch.Tensor, touch: bool = False) -> bool:
-    """Whether the mapping under `buffer` gets 2 MB pages, judged by its second one (the first holds
-    the header), written first where `touch`; True for a mapping too short to have two."""
-    start = -buffer.data_ptr() % huge_pages.HUGE_PAGE + huge_pages.HUGE_PAGE
-    if start + huge_pages.HUGE_PAGE > buffer.numel():
-        return True
-    probe = buffer[start:start + huge_pages.HUGE_PAGE]
-    if touch:
-        probe.zero_()
-    else:
-        probe.sum()
-    return _pmd_mapped_bytes(buffer.data_ptr()) > 0
-
-
-def _pmd_mapped_bytes(address: int) -> int:
-    """FilePmdMapped of the mapping that holds `address` (/proc/self/smaps); 0 where unknown."""
-    try:
-        smaps = Path("/proc/self/smaps").read_text()
-    except OSError:
-        return 0
-    for match in re.finditer(r"^([0-9a-f]+)-([0-9a-f]+) ", smaps, re.MULTILINE):
-        if int(match[1], 16) <= address < int(match[2], 16):
-            found = re.search(r"^FilePmdMapped:\s+(\d+) kB", smaps[match.end():], re.MULTILINE)
-            return int(found[1]) * 1024 if found else 0
-    return 0
 
 
 def _remove_stale(folder: Path) -> None:
@@ -342,10 +319,3 @@ def _writer_alive(tmp: Path) -> bool:
 
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from kiln import checksum
 from kiln.errors import KilnError
 from kiln.models.config import ModelConfig
 from kiln.models.llama import CausalLM
@@ -40,17 +41,6 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     if not files:
         raise KilnError(f"{model_dir} has no *.safetensors weights (kiln does not read .bin/.pt checkpoints)")
     return files
-
-
-def checkpoint_identity(model_dir: Path) -> list[dict]:
-    """Each checkpoint file's path, size, modification time and inode: what tells a rewritten
-    checkpoint from the one read before, without reading its bytes."""
-    identity = []
-    for path in checkpoint_files(model_dir):
-        st = path.stat()
-        identity.append({"file": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                         "inode": st.st_ino})
-    return identity
 
 
 def checkpoint_bytes(model_dir: Path, dtype: torch.dtype) -> int:
@@ -168,9 +158,10 @@ def _load_tensor(f: SafetensorsFile, name: str, model: CausalLM, params: dict, t
     return []
 
 
-def load_weights(model: CausalLM, model_dir: str | Path) -> None:
+def load_weights(model: CausalLM, model_dir: str | Path) -> str:
     """Copy every checkpoint tensor into its (possibly merged) parameter, casting to the model dtype;
-    under tensor parallelism only this rank's shard of each is read."""
+    under tensor parallelism only this rank's shard of each is read. Returns the checksum of every
+    byte read (`kiln.checksum`, hex): the identity of what was loaded, by content."""
     start = time.perf_counter()
     model_dir = Path(model_dir)
     params = dict(model.named_parameters())
@@ -180,6 +171,7 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
         if pname.endswith(".input_scale"):
             p.data.zero_()  # a static input scale is the max over the slices that share it
     loaded: set[str] = set()
+    content = checksum.hasher()
     # reads run on a thread per core: filling fresh memory costs more in page faults than in the copy
     # (a VM's faults especially), and threads take their faults in parallel
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:
@@ -196,8 +188,11 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
                     wait(reads)  # before the file closes, also when a tensor fails
                 for read in reads:
                     read.result()
+                for key, digest in sorted(f.digests.items()):
+                    content.update(f"{path.name}:{key}:".encode() + digest)
     missing = [name for name in targets if name not in loaded]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise KilnError(f"checkpoint in {model_dir} is missing tensor {missing[0]!r}{more}")
     logger.info("loaded %d tensors from %s in %.2fs", len(loaded), model_dir, time.perf_counter() - start)
+    return content.hexdigest()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from kiln import checksum
 from kiln.errors import KilnError
 
 DTYPES = {
@@ -46,6 +47,9 @@ class SafetensorsFile:
         header.pop("__metadata__", None)
         self._start = 8 + length
         self._entries: dict = header
+        self.digests: dict[str, bytes] = {}
+        """The checksum (`kiln.checksum`) of each tensor or row range read, by "name[begin:end]": what
+        tells this file's loaded contents from another's, at memory speed."""
         for name, entry in header.items():
             begin, end = entry["data_offsets"]
             if entry["dtype"] not in DTYPES:
@@ -98,6 +102,7 @@ class SafetensorsFile:
             if n == 0:
                 raise KilnError(f"{self.path} ended while reading {name}: the file is truncated")
             done += n
+        self.digests[f"{name}[{begin}:{end}]"] = checksum.digest(view)
 
     def close(self) -> None:
         if self._fd is not None:

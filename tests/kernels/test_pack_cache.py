@@ -1,8 +1,9 @@
-"""Packed weights kept in a file: packed into it on a miss, published by a rename, mapped with the same
-numbers on a hit without packing; keyed by what was packed; repacked, or packed in memory, where the
-file cannot serve."""
+"""Packed weights kept in a file: written on a miss, published read-only by a rename, read back with the
+same numbers on a hit without packing, every slot checked against its checksum; keyed by what was
+packed; repacked where the file is damaged, packed in memory where it cannot be written."""
 
 import gc
+import json
 import logging
 import os
 import subprocess
@@ -16,7 +17,7 @@ import torch
 from kiln.kernels import pack_cache, packed_linear, panel_linear
 from kiln.kernels.pack_cache import PackFile
 
-IDENTITY = {"checkpoint": [{"file": "/m/model.safetensors", "size": 1, "mtime_ns": 2, "inode": 3}]}
+IDENTITY = {"checkpoint": "0123456789abcdef0123456789abcdef"}
 
 
 @pytest.fixture
@@ -40,12 +41,14 @@ def pack_all(packs: PackFile, weights: dict[str, torch.Tensor]) -> dict[str, tor
     return out
 
 
-def test_a_miss_packs_into_the_file_and_a_hit_maps_it_without_packing(tmp_path, weights, monkeypatch):
+def test_a_miss_packs_and_publishes_a_read_only_file_and_a_hit_reads_it_without_packing(tmp_path, weights,
+                                                                                    monkeypatch):
     first = PackFile(tmp_path, IDENTITY, slots(weights))
     assert not first.hit and not first.path.exists()
     packed = pack_all(first, weights)
     assert first.path.is_file() and not list(tmp_path.glob("*.tmp"))
-    assert first.mapped_bytes == first.path.stat().st_size > sum(w.nbytes for w in weights.values())
+    assert first.path.stat().st_mode & 0o777 == 0o444
+    assert first.path.stat().st_size > sum(w.nbytes for w in weights.values())
     assert torch.equal(packed["big"], panel_linear.pack(weights["big"]))
     assert torch.equal(panel_linear.unpack_int8(packed["codes"]), weights["codes"])
 
@@ -54,16 +57,15 @@ def test_a_miss_packs_into_the_file_and_a_hit_maps_it_without_packing(tmp_path, 
 
     monkeypatch.setattr(packed_linear, "pack", no_packing)
     second = PackFile(tmp_path, IDENTITY, slots(weights))
-    assert second.hit and second.path == first.path
+    assert second.hit and second.path == first.path and second.read_bytes == first.path.stat().st_size
     for name, fmt in (("small", "panels16"), ("big", "panels16"), ("codes", "panels16_int8")):
-        mapped = second.pack(name, fmt, weights[name])
-        assert torch.equal(mapped, packed[name]) and mapped.data_ptr() != packed[name].data_ptr()
+        read = second.pack(name, fmt, weights[name])
+        assert torch.equal(read, packed[name]) and read.data_ptr() != packed[name].data_ptr()
 
 
 def test_the_key_covers_the_checkpoint_and_what_is_packed(tmp_path, weights):
     base = PackFile(tmp_path, IDENTITY, slots(weights)).key
-    moved = {"checkpoint": [dict(IDENTITY["checkpoint"][0], mtime_ns=5)]}
-    assert PackFile(tmp_path, moved, slots(weights)).key != base
+    assert PackFile(tmp_path, {"checkpoint": "f" * 32}, slots(weights)).key != base
     assert PackFile(tmp_path, IDENTITY | {"quantization": "int8"}, slots(weights)).key != base
     assert PackFile(tmp_path, IDENTITY, slots(weights)[:2]).key != base
     assert PackFile(tmp_path, IDENTITY, slots(weights)).key == base
@@ -76,17 +78,112 @@ def test_a_weight_without_a_slot_packs_in_memory(tmp_path, weights):
     assert pack_cache.slot("w", "onednn", weights["big"]) is None  # an opaque layout has no slot
 
 
-def test_a_file_that_does_not_match_its_key_is_packed_again(tmp_path, weights, caplog):
-    pack_all(PackFile(tmp_path, IDENTITY, slots(weights)), weights)
-    path = PackFile(tmp_path, IDENTITY, slots(weights)).path
+def damage_truncate(path, rng):
     with open(path, "r+b") as f:  # a truncated file, as a disk that filled up might leave
         f.truncate(path.stat().st_size - 4096)
+
+
+def damage_flip_exponent(path, rng):
+    """One exponent bit of one weight of the big slot (the second): a plausible number, wildly wrong."""
+    start = int.from_bytes(path.read_bytes()[8:16], "little")
+    header = json.loads(path.read_bytes()[16:16 + start])
+    assert header["slots"][1]["name"] == "big"
+    big = -(-(16 + start) // 4096) * 4096 + 8192  # past the header's page and the small slot's two
+    offset = big + 4 * int(rng.integers(0, 2048 * 1024)) + 3  # a float's top byte
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def damage_zero_page(path, rng):
+    data = bytearray(path.read_bytes())
+    data[3 * 4096:4 * 4096] = bytes(4096)
+    path.write_bytes(bytes(data))
+
+
+def damage_random_megabyte(path, rng):
+    data = bytearray(path.read_bytes())
+    data[4096:4096 + (1 << 20)] = rng.integers(0, 256, 1 << 20, dtype="uint8").tobytes()
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [damage_truncate, damage_flip_exponent, damage_zero_page, damage_random_megabyte])
+def test_a_damaged_file_is_named_and_packed_again(tmp_path, weights, caplog, damage):
+    """Each damage from the report, the file's mtime kept (`touch -r`): a warning naming the file and a
+    repack, never a wrong weight."""
+    import numpy as np
+
+    pack_all(PackFile(tmp_path, IDENTITY, slots(weights)), weights)
+    path = PackFile(tmp_path, IDENTITY, slots(weights)).path
+    before = path.stat()
+    path.chmod(0o644)
+    damage(path, np.random.default_rng(0))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
     with caplog.at_level(logging.WARNING, logger="kiln"):
         again = PackFile(tmp_path, IDENTITY, slots(weights))
-    assert not again.hit and "does not match its key" in caplog.text
+    assert not again.hit and str(path) in caplog.text and "packing again" in caplog.text
     packed = pack_all(again, weights)
-    assert torch.equal(packed["small"], panel_linear.pack(weights["small"]))
-    assert PackFile(tmp_path, IDENTITY, slots(weights)).hit
+    assert torch.equal(packed["big"], panel_linear.pack(weights["big"]))
+    hit = PackFile(tmp_path, IDENTITY, slots(weights))
+    assert hit.hit and torch.equal(hit.pack("big", "panels16", weights["big"]), panel_linear.pack(weights["big"]))
+
+
+def test_another_keys_data_under_this_header_is_packed_again(tmp_path, weights, caplog):
+    """A splice: the slots of another checkpoint's file behind this file's header and checksums."""
+    pack_all(PackFile(tmp_path, IDENTITY, slots(weights)), weights)
+    other = {k: v + 1 if v.is_floating_point() else v for k, v in weights.items()}
+    other_file = PackFile(tmp_path, {"checkpoint": "f" * 32}, slots(other))
+    pack_all(other_file, other)
+    path = PackFile(tmp_path, IDENTITY, slots(weights)).path
+    ours, theirs = path.read_bytes(), other_file.path.read_bytes()
+    path.chmod(0o644)
+    path.write_bytes(ours[:4096] + theirs[4096:len(theirs) - 48] + ours[len(ours) - 48:])
+    with caplog.at_level(logging.WARNING, logger="kiln"):
+        again = PackFile(tmp_path, IDENTITY, slots(weights))
+    assert not again.hit and "checksum of" in caplog.text and str(path) in caplog.text
+
+
+def test_random_byte_flips_never_serve_a_wrong_weight(tmp_path, weights):
+    """200 seeded flips over the whole file: each is caught (a repack), or lands in padding no weight
+    reads and the weights read back are the packed ones, bit for bit."""
+    import numpy as np
+
+    expected = pack_all(PackFile(tmp_path, IDENTITY, slots(weights)), weights)
+    path = PackFile(tmp_path, IDENTITY, slots(weights)).path
+    path.chmod(0o644)
+    original = path.read_bytes()
+    rng = np.random.default_rng(43)
+    caught = 0
+    for _ in range(200):
+        offset, bit = int(rng.integers(0, len(original))), int(rng.integers(0, 8))
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            f.write(bytes([original[offset] ^ (1 << bit)]))
+        packs = PackFile(tmp_path, IDENTITY, slots(weights))
+        if packs.hit:
+            for name, fmt in (("small", "panels16"), ("big", "panels16"), ("codes", "panels16_int8")):
+                assert torch.equal(packs.pack(name, fmt, weights[name]), expected[name]), offset
+        else:
+            caught += 1
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            f.write(original[offset:offset + 1])
+    assert caught > 150  # padding is a small part of the file
+
+
+def test_a_running_process_keeps_its_weights_when_the_file_is_edited_or_truncated(tmp_path, weights):
+    """Weights of its own: no SIGBUS, no change, whatever happens to the file after it was read."""
+    expected = pack_all(PackFile(tmp_path, IDENTITY, slots(weights)), weights)
+    hit = PackFile(tmp_path, IDENTITY, slots(weights))
+    held = {name: hit.pack(name, fmt, weights[name])
+            for name, fmt in (("small", "panels16"), ("big", "panels16"), ("codes", "panels16_int8"))}
+    hit.path.chmod(0o644)
+    with open(hit.path, "r+b") as f:
+        f.seek(8192)
+        f.write(bytes(1 << 20))
+        f.truncate(4096)
+    for name, tensor in held.items():
+        assert torch.equal(tensor, expected[name])
 
 
 def test_a_cache_that_cannot_be_written_packs_in_memory(tmp_path, weights, caplog):
@@ -94,31 +191,9 @@ def test_a_cache_that_cannot_be_written_packs_in_memory(tmp_path, weights, caplo
     blocked.write_text("not a folder")
     with caplog.at_level(logging.WARNING, logger="kiln"):
         packs = PackFile(blocked, IDENTITY, slots(weights))
-    assert "packing them in memory" in caplog.text and packs.mapped_bytes == 0
-    packed = pack_all(packs, weights)
+        packed = pack_all(packs, weights)
+    assert not packs.hit and "not kept" in caplog.text
     assert torch.equal(packed["big"], panel_linear.pack(weights["big"]))
-
-
-def test_without_huge_pages_the_file_is_not_used(tmp_path, weights, monkeypatch):
-    pack_all(PackFile(tmp_path / "published", IDENTITY, slots(weights)), weights)
-    monkeypatch.setattr(pack_cache, "_pmd_mapped_bytes", lambda address: 0)
-    miss = PackFile(tmp_path / "fresh", IDENTITY, slots(weights))
-    assert not miss.hit and miss.mapped_bytes == 0 and not list((tmp_path / "fresh").iterdir())
-    hit = PackFile(tmp_path / "published", IDENTITY, slots(weights))
-    assert hit.hit and hit.mapped_bytes == 0  # copied into memory for `huge_pages`
-    assert torch.equal(hit.pack("big", "panels16", weights["big"]), panel_linear.pack(weights["big"]))
-
-
-def test_a_published_file_is_mapped_on_huge_pages_here(tmp_path, weights):
-    """The premise, on this machine's file system: where it fails, packed weights would land on 4 KB
-    pages and the cache falls back to memory (the test above)."""
-    packs = PackFile(tmp_path, IDENTITY, slots(weights))
-    pack_all(packs, weights)
-    if packs.mapped_bytes == 0:
-        pytest.skip(f"{tmp_path} gives no 2 MB pages to files here")
-    hit = PackFile(tmp_path, IDENTITY, slots(weights))
-    big = hit.pack("big", "panels16", weights["big"])
-    assert pack_cache._pmd_mapped_bytes(big.data_ptr()) >= 2 * 2**20
 
 
 def test_a_dead_writers_unfinished_file_is_removed(tmp_path, weights):
@@ -128,7 +203,7 @@ def test_a_dead_writers_unfinished_file_is_removed(tmp_path, weights):
     stale.write_bytes(b"x" * 10)
     live.write_bytes(b"y")
     assert [p for p, _, _ in pack_cache.entries(tmp_path)] == [stale]
-    PackFile(tmp_path, IDENTITY, slots(weights))
+    pack_all(PackFile(tmp_path, IDENTITY, slots(weights)), weights)
     assert not stale.exists() and live.exists()
 
 
@@ -141,7 +216,7 @@ def test_location_follows_the_environment(tmp_path, monkeypatch):
     assert pack_cache.folder_for(tmp_path) is None
 
 
-def test_prune_ages_packed_weights_out_and_a_mapped_file_stays_readable(tmp_path, weights):
+def test_prune_ages_packed_weights_out_and_a_reader_keeps_its_weights(tmp_path, weights):
     from kiln.cache_tools.prune import prune
 
     folder = tmp_path / pack_cache.FOLDER
@@ -150,14 +225,15 @@ def test_prune_ages_packed_weights_out_and_a_mapped_file_stays_readable(tmp_path
     new = PackFile(folder, IDENTITY | {"quantization": "int8"}, slots(weights))
     pack_all(new, weights)
     hit = PackFile(folder, IDENTITY, slots(weights))
-    mapped = hit.pack("big", "panels16", weights["big"])
+    read = hit.pack("big", "panels16", weights["big"])
+    old_bytes = old.path.stat().st_size
     day_ago = time.time() - 86400
     os.utime(old.path, (day_ago, day_ago))
     assert prune(tmp_path, older_than=3600, dry_run=True).packed_removed == 1 and old.path.exists()
     report = prune(tmp_path, older_than=3600)
-    assert report.packed_removed == 1 and report.freed_bytes == old.mapped_bytes
+    assert report.packed_removed == 1 and report.freed_bytes == old_bytes
     assert sorted(folder.iterdir()) == [new.path]
-    assert torch.equal(mapped, panel_linear.pack(weights["big"]))  # the removed file, still mapped here
+    assert torch.equal(read, panel_linear.pack(weights["big"]))  # read from the removed file
     assert prune(tmp_path, max_size=0).packed_removed == 1 and not list(folder.iterdir())
 
 
@@ -174,7 +250,7 @@ def test_a_read_only_cache_still_serves_its_files(tmp_path, weights, monkeypatch
 
 
 def test_a_published_file_is_freed_with_its_weights(tmp_path, weights):
-    """Waiting for the file at exit holds the writing thread only, not the file's mapping."""
+    """Waiting for the file at exit holds the writing thread only, not the weights."""
     packs = PackFile(tmp_path, IDENTITY, slots(weights))
     packed = pack_all(packs, weights)
     gone = weakref.ref(packs)
