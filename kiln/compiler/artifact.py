@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
 import tempfile
 import time
@@ -39,7 +40,7 @@ import kiln
 from kiln.compiler import atomic, usage
 from kiln.compiler.aoti import CALLS_SUFFIX, LIBRARY_SUFFIX, LoadedLibrary
 from kiln.compiler.counters import counters
-from kiln.compiler.key import python_version, system_info
+from kiln.compiler.key import cache_key, python_version, system_info
 from kiln.compiler.program import (RELEASED, ByTokenCount, CompiledProgram, GraphInput, PackedWeights, SizedPiece,
                                    load_program, pack_lm_head, pack_slots, pack_weights)
 from kiln.config import dtype_name
@@ -49,11 +50,14 @@ from kiln.kernels.pack_cache import PackFile, Slot
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
+"""4: the manifest carries a digest of its own contents."""
 MANIFEST = "manifest.json"
 PROGRAMS = "programs"
 TRITON_KERNELS = "kernels/triton"
 RECOMPILE = "run `kiln compile` again"
+KEY = re.compile(r"[0-9a-f]{32}")
+"""An artifact directory's name: its key."""
 
 
 class ArtifactError(KilnError):
@@ -202,8 +206,67 @@ def save(
                 len(blob_of) + len(head_libraries or {}) + len(libraries or {}))
 
 
+DIGEST = "digest"
+"""The manifest's field that holds the sha256 of the rest of it, in canonical form."""
+
+
+def _canonical_digest(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != DIGEST}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def _manifest_text(manifest: dict) -> str:
-    return json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+    """The manifest as written: its digest covers every other field, so an edit that leaves valid JSON
+    reads as damage, not as another build."""
+    return json.dumps({**manifest, DIGEST: _canonical_digest(manifest)}, indent=1, sort_keys=True) + "\n"
+
+
+def write_manifest(path: Path, manifest: dict) -> None:
+    """Replace the manifest of the artifact at `path` in one step, its digest recomputed."""
+    atomic.write_bytes(Path(path) / MANIFEST, _manifest_text(manifest).encode())
+
+
+def parse_manifest(data: bytes, where: Path) -> dict:
+    """A manifest's contents, checked: JSON, this format, and its digest. Raises ArtifactError naming
+    what is wrong."""
+    try:
+        manifest = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"artifact manifest {where} is unreadable ({e}): {RECOMPILE}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise ArtifactError(f"artifact {where.parent} has format {found}, this kiln reads format {FORMAT_VERSION}: "
+                            f"{RECOMPILE}")
+    if manifest.get(DIGEST) != _canonical_digest(manifest):
+        raise ArtifactError(f"artifact manifest {where} is damaged (its contents do not match its digest): {RECOMPILE}")
+    return manifest
+
+
+def key_problem(manifest: dict, key: str) -> str | None:
+    """Why an artifact filed under `key` is not the build its manifest describes (its factors hash to
+    another key: renamed, or copied from another key's directory), or None."""
+    try:
+        actual = cache_key(manifest["factors"])
+    except (KeyError, TypeError, ValueError) as e:
+        return f"its manifest lacks its key factors ({e})"
+    if actual != key or manifest.get("key") != key:
+        return (f"it is filed under {key} but its manifest says {manifest.get('key')} and its factors hash to "
+                f"{actual}: it was renamed or edited")
+    return None
+
+
+def factor_mismatch(found: dict, expected: dict, prefix: str = "") -> str | None:
+    """The first key factor where an artifact's `found` factors differ from the `expected` ones, as
+    "model.rms_norm_eps: artifact 0.5, here 1e-06"; None where they agree."""
+    for name in sorted(set(found) | set(expected)):
+        a, b = found.get(name, "absent"), expected.get(name, "absent")
+        if isinstance(a, dict) and isinstance(b, dict):
+            inner = factor_mismatch(a, b, f"{prefix}{name}.")
+            if inner is not None:
+                return inner
+        elif a != b:
+            return f"{prefix}{name}: artifact {json.dumps(a)}, here {json.dumps(b)}"
+    return None
 
 
 def add_triton_kernels(path: Path, packed: Path, triton_version: str, seconds: float,
@@ -225,7 +288,7 @@ def add_triton_kernels(path: Path, packed: Path, triton_version: str, seconds: f
     if backend is not None:
         manifest["triton_kernels"]["backend"] = backend
     manifest.setdefault("timings", {})["triton_kernels"] = seconds
-    atomic.write_bytes(path / MANIFEST, _manifest_text(manifest).encode())
+    write_manifest(path, manifest)
     return len(files)
 
 
@@ -287,17 +350,19 @@ def remove(path: Path) -> None:
     shutil.rmtree(stale, ignore_errors=True)
 
 
-def read_manifest(path: Path) -> dict:
+def read_manifest(path: Path, check_key: bool = True) -> dict:
+    """The manifest of the artifact at `path` (`parse_manifest`'s checks); with `check_key`, also that
+    a directory named like a key is the one its factors hash to."""
     path = Path(path)
     if not (path / MANIFEST).is_file():
         raise ArtifactMissing(f"no artifact at {path}: run `kiln compile MODEL_DIR` to build it")
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError) as e:
+        data = (path / MANIFEST).read_bytes()
+    except OSError as e:
         raise ArtifactError(f"artifact manifest {path / MANIFEST} is unreadable ({e}): {RECOMPILE}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
-        found = manifest.get("format") if isinstance(manifest, dict) else None
-        raise ArtifactError(f"artifact {path} has format {found}, this kiln reads format {FORMAT_VERSION}: {RECOMPILE}")
+    manifest = parse_manifest(data, path / MANIFEST)
+    if check_key and KEY.fullmatch(path.name) and (problem := key_problem(manifest, path.name)) is not None:
+        raise ArtifactError(f"artifact {path}: {problem}; {RECOMPILE}")
     return manifest
 
 
@@ -359,14 +424,19 @@ def compatibility_problem(manifest: dict) -> str | None:
     return None
 
 
-def verify(path: Path) -> dict:
-    """Check that the artifact at `path` can be loaded here: format, versions, system, and every
+def verify(path: Path, factors: dict | None = None) -> dict:
+    """Check that the artifact at `path` can be loaded here: format, the manifest's digest, versions,
+    system, that its factors are the caller's `factors` (where given) and hash to its key, and every
     file's size and sha256. Returns the manifest; raises ArtifactError naming the first problem."""
     path = Path(path)
-    manifest = read_manifest(path)
+    manifest = read_manifest(path, check_key=False)
     problem = compatibility_problem(manifest)
     if problem is not None:
         raise ArtifactError(problem)
+    if factors is not None and (differs := factor_mismatch(manifest.get("factors") or {}, factors)) is not None:
+        raise ArtifactError(f"artifact {path} was built for another model or configuration ({differs}): {RECOMPILE}")
+    if KEY.fullmatch(path.name) and (problem := key_problem(manifest, path.name)) is not None:
+        raise ArtifactError(f"artifact {path}: {problem}; {RECOMPILE}")
     for problem in file_problems(path, manifest, first_only=True):
         raise ArtifactError(f"{problem}: {RECOMPILE}")
     return manifest
@@ -387,17 +457,34 @@ def _load_library(library: Path, tensor_args: tuple[int, ...], device: str) -> L
 
 
 def load(path: Path, model: nn.Module, release_weights: bool = False,
-         packs: Callable[[list[Slot]], PackFile] | None = None) -> CompiledProgram:
+         packs: Callable[[list[Slot]], PackFile] | None = None, factors: dict | None = None) -> CompiledProgram:
     """Load the artifact at `path` and bind it to `model`'s weights; no tracing, no compiling.
 
     `release_weights`: free the plain copy of each weight the program only reads packed
     (`pack_weights`): the model then serves only this program, and cannot be traced or run eagerly.
     `packs`: the cache file of packed weights for these slots (`kiln.kernels.pack_cache`), where
-    they are mapped from, or packed into, instead of memory."""
+    they are read from, or written to, instead of packed at every load. `factors`: the key factors the
+    caller computed for `model` (`key.model_factors`); an artifact built for others is refused, naming
+    the first that differs."""
     start = time.perf_counter()
     path = Path(path)
     lease = usage.acquire(path)  # before verifying: a pruner waits for no one it cannot see
-    manifest = verify(path)
+    manifest = verify(path, factors)
+    try:
+        program = _bind(path, manifest, model, release_weights, packs)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        if isinstance(e, KilnError):
+            raise
+        raise ArtifactError(f"artifact manifest {path / MANIFEST} is damaged ({type(e).__name__}: {e}): "
+                            f"{RECOMPILE}") from e
+    program.lease = lease  # held while the program lives: `kiln cache prune` leaves this key alone
+    logger.info("loaded artifact %s in %.2fs", path.name, time.perf_counter() - start)
+    return program
+
+
+def _bind(path: Path, manifest: dict, model: nn.Module, release_weights: bool,
+          packs: Callable[[list[Slot]], PackFile] | None) -> CompiledProgram:
+    """The verified artifact's program, bound to `model`'s weights (packed where it packs them)."""
     device = manifest["factors"]["system"]["device"]
     if device == "cuda":
         install_triton_kernels(path, manifest)
@@ -445,12 +532,9 @@ def load(path: Path, model: nn.Module, release_weights: bool = False,
             forward = PackedWeights(forward, weights)
         routes += [((s, s), forward) for s in variant["sizes"]] + [(tuple(r), forward) for r in variant["ranges"]]
     tokens_at = next(i for i, e in enumerate(manifest["inputs"]) if e["kind"] == "input" and e["name"] == "input_ids")
-    logger.info("loaded artifact %s: %d blobs in %.2fs", path.name, len(blobs), time.perf_counter() - start)
+    logger.info("artifact %s: %d blobs loaded", path.name, len(blobs))
     program = CompiledProgram(ByTokenCount(routes, tokens_at), inputs, model, head.result())
-    program.lease = lease  # held while the program lives: `kiln cache prune` leaves this key alone
     program.pack_file = pack_file
-    if pack_file is not None:  # the page cache holds these, and the kernel counts it as available
-        program.reserved_bytes += pack_file.mapped_bytes
     return program
 
 

@@ -90,7 +90,7 @@ def _delete(path: Path) -> None:
 def _other_torch(path: Path) -> None:
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["factors"]["torch"] = "2.11.0+cu128"
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    artifact.write_manifest(path, manifest)
 
 
 def _bad_calls(path: Path) -> None:
