@@ -1,6 +1,7 @@
 """The `kiln` command. Subcommands import their heavy dependencies only when run, so --help is fast."""
 
 import argparse
+import errno
 import json
 import logging
 import sys
@@ -351,7 +352,7 @@ def _cmd_cache(args: argparse.Namespace) -> int:
         case "export":
             return commands.export(cache, args.key, args.output, as_json, args.sha256)
         case "import":
-            return commands.import_(cache, args.tarball, as_json, args.sha256)
+            return commands.import_(cache, args.tarball, as_json, args.sha256, args.max_size)
         case "dump":
             return commands.dump_artifact(cache, args.key, args.output, as_json)
     raise AssertionError(args.cache_command)
@@ -415,11 +416,14 @@ def _add_cache_parser(sub) -> None:
     p = command("import", "add an exported artifact to the cache", "Unpack a tarball from `kiln cache export`, "
                 "verify every file and that it loads on this machine, then move it into the cache in one step. "
                 "An artifact is code: serving it runs its programs/*.py and loads its shared libraries, so "
-                "import only tarballs you trust, checked with --sha256. Tarballs with links or paths outside "
-                "the artifact's directory are refused.")
+                "import only tarballs you trust, checked with --sha256. Tarballs with links, paths outside "
+                "the artifact's directory, or files its manifest does not list or pins at another size are "
+                "refused before anything is unpacked.")
     p.add_argument("tarball", metavar="FILE")
     p.add_argument("--sha256", metavar="HEX|FILE", help="refuse the tarball unless its sha256 is this (64 hex "
                    "digits, or the .sha256 file `export --sha256` wrote)")
+    p.add_argument("--max-size", type=_units(parse_size), metavar="SIZE", help="refuse the tarball if its files "
+                   "add up to more than this, e.g. 500M (default: 4 times what its manifest declares)")
     p = command("dump", "write an artifact as readable code", "Write the manifest, the stitching programs, "
                 "Dynamo's depyf-decompiled bytecode and graph, the graphs before and after the passes, every "
                 "piece's graph and Inductor's generated code for each compiled piece.")
@@ -573,6 +577,17 @@ def main(argv: list[str] | None = None) -> int:
     except KilnError as e:
         print(f"kiln: error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" writing {e.filename}" if e.filename else ""
+        print(f"kiln: error: no space left on the device{where} ({e.strerror}): free some space, or put the cache "
+              "elsewhere (--cache-dir, $KILN_CACHE); what was being written was removed", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("kiln: interrupted: what was being written was removed (a finished artifact or packed-weights file "
+              "stays)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

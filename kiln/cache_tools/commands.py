@@ -230,8 +230,9 @@ def export(cache_dir: Path, key: str, out: Path, as_json: bool, sha256: bool = F
     return 0
 
 
-def import_(cache_dir: Path, tarball: Path, as_json: bool, sha256: str | None = None) -> int:
-    entry, new = transfer.import_tarball(cache_dir, tarball, sha256)
+def import_(cache_dir: Path, tarball: Path, as_json: bool, sha256: str | None = None,
+            max_size: int | None = None) -> int:
+    entry, new = transfer.import_tarball(cache_dir, tarball, sha256, max_size)
     print(json.dumps({"key": entry.key, "path": str(entry.path), "new": new}) if as_json else
           f"{'imported' if new else 'already present:'} {entry.key} ({_model(entry)}) into {entry.path.parent}")
     return 0

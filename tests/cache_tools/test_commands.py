@@ -1,5 +1,6 @@
 """`kiln cache`: every subcommand on real artifacts (copies of the session's compiled demo llama)."""
 
+import copy
 import hashlib
 import json
 import os
@@ -53,7 +54,7 @@ def _with_factors(cache: Path, source: Path, factors: dict) -> Path:
     shutil.copytree(source, cache / key)
     manifest = json.loads((cache / key / artifact.MANIFEST).read_text())
     manifest["factors"], manifest["key"] = factors, key
-    (cache / key / artifact.MANIFEST).write_text(json.dumps(manifest))
+    artifact.write_manifest(cache / key, manifest)
     return cache / key
 
 
@@ -308,7 +309,7 @@ def test_import_refuses_links_and_paths_leading_out(cache, llama_artifact, tmp_p
         status, out = kiln_cache_cmd(capsys, "import", path, "--cache-dir", fresh)
         assert status == 1 and message in out, name
         assert not (tmp_path / "evil.py").exists() and not (fresh / "evil.py").exists()
-        assert not [p for p in fresh.iterdir() if not p.name.startswith(".")]
+        assert not fresh.exists()  # refused from the headers: not even the cache directory was made
 
 
 def test_export_writes_a_detached_sha256_that_import_checks(cache, llama_artifact, tmp_path, capsys):
@@ -352,3 +353,139 @@ def test_dump_writes_readable_code(cache, llama_artifact, tmp_path, capsys):
             assert 'extern "C"' in (folder / "kernel.cpp").read_text()
     status, out = kiln_cache_cmd(capsys, "dump", llama_artifact.name, "-o", out_dir, "--cache-dir", cache)
     assert status == 1 and "is not empty" in out
+
+
+GIB = 1 << 30
+
+
+def _read_tar(tarball: Path) -> list[tuple[tarfile.TarInfo, bytes | None]]:
+    with tarfile.open(tarball) as tar:
+        return [(m, tar.extractfile(m).read() if m.isfile() else None) for m in tar.getmembers()]
+
+
+def _write_tar(path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Path:
+    """A plain tarball of `members`; one whose data is None has only its header, the size it declares
+    left as a hole in a sparse file: a 10 GiB member costs no disk, and any attempt to unpack it would."""
+    with open(path, "wb") as f:
+        for info, data in members:
+            f.write(info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape"))
+            padded = -(-info.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+            if data is None and info.size:
+                f.seek(padded, os.SEEK_CUR)
+            elif data is not None:
+                f.write(data.ljust(padded, b"\0"))
+        f.write(b"\0" * 2 * tarfile.BLOCKSIZE)
+    assert path.stat().st_blocks * 512 < 64 << 20  # nothing huge was written to build it
+    return path
+
+
+def _with(member: tarfile.TarInfo, **attrs) -> tarfile.TarInfo:
+    """A copy of `member` with other header fields (TarInfo.replace takes no size)."""
+    made = copy.copy(member)
+    for name, value in attrs.items():
+        setattr(made, name, value)
+    return made
+
+
+def _disk_state(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_size for p in folder.rglob("*")} if folder.exists() else {}
+
+
+def test_import_refuses_what_the_manifest_does_not_list_before_writing(cache, llama_artifact, tmp_path, capsys):
+    from kiln.cache_tools import transfer
+    from kiln.errors import KilnError
+
+    key = llama_artifact.name
+    exported = tmp_path / "art.tar.gz"
+    assert kiln_cache_cmd(capsys, "export", key, "-o", exported, "--cache-dir", cache)[0] == 0
+    members = _read_tar(exported)
+    names = [m.name for m, _ in members]
+    assert names[:2] == [key, f"{key}/{artifact.MANIFEST}"]  # the manifest first: later members checked as read
+    manifest = json.loads(members[1][1])
+    pinned = {f"{key}/{p.relative_to(key).as_posix()}": e["bytes"]
+              for p, e, _ in artifact.pinned_files(Path(key), manifest)}
+    assert {n for n, (m, _) in zip(names, members) if m.isfile()} == set(pinned) | {names[1]}
+    blob = next(n for n in names if n.endswith(".so"))
+    program = f"{key}/programs/0.py"
+
+    def info(name: str, size: int = 0, dir: bool = False) -> tarfile.TarInfo:
+        made = tarfile.TarInfo(name)
+        made.type, made.size, made.mode = (tarfile.DIRTYPE, 0, 0o755) if dir else (tarfile.REGTYPE, size, 0o644)
+        return made
+
+    def edited(**changes) -> list:
+        """The export's members, some resized (None: header only) or renamed."""
+        out = []
+        for m, data in members:
+            if m.name in changes:
+                size, new = changes[m.name]
+                out.append((_with(m, size=size if new is None else len(new)), new))
+            else:
+                out.append((m, data))
+        return out
+
+    def crafted(edit) -> bytes:
+        """The manifest edited, with its digest redone (the key hashes the factors only, so it still holds)."""
+        m = json.loads(members[1][1])
+        edit(m)
+        return artifact._manifest_text(m).encode()
+
+    def with_manifest(data: bytes, rest: list) -> list:
+        return [members[0], (_with(members[1][0], size=len(data)), data)] + rest
+
+    manifest_last = members[:1] + members[2:] + members[1:2]
+    huge_manifest = crafted(lambda m: m["debug"].update({"huge.bin": {"bytes": 10 * GIB, "sha256": "0" * 64}}))
+    outside = crafted(lambda m: m["debug"].update({"../../../evil.py": {"bytes": 1, "sha256": "0" * 64}}))
+    dirs = [(info(f"{key}/debug/empty{i}", dir=True), None) for i in range(2000)]
+    cases = {
+        "oversized member": (edited(**{blob: (10 * GIB, None)}), (),
+                             f"holds {blob} of {10 * GIB} bytes, but its manifest pins {pinned[blob]}: refusing it"),
+        "oversized member before the manifest": (
+            [(_with(m, size=10 * GIB), None) if m.name == blob else (m, d) for m, d in manifest_last], (),
+            f"holds {blob} of {10 * GIB} bytes, but its manifest pins {pinned[blob]}"),
+        "unlisted 10 GiB member": (members + [(info(f"{key}/blobs/extra.so", 10 * GIB), None)], (),
+                                   f"holds {key}/blobs/extra.so, which its manifest does not list: refusing it"),
+        "unlisted small member": (members + [(info(f"{key}/programs/1.py", 5), b"boom\n")], (),
+                                  f"holds {key}/programs/1.py, which its manifest does not list"),
+        "many empty directories": (members + dirs, (), f"holds {key}/debug/empty0, which its manifest does not list"),
+        "many empty directories before the manifest": (
+            manifest_last[:1] + dirs + manifest_last[1:], (),
+            f"holds {key}/debug/empty0, which its manifest does not list"),
+        "size differs from the pin": (
+            edited(**{program: (None, members[names.index(program)][1] + b"# more\n")}), (),
+            f"holds {program} of {pinned[program] + 7} bytes, but its manifest pins {pinned[program]}"),
+        "a file named ./": (members + [(info("./", 3), b"abc")], (), "holds a file named './', which names no file"),
+        "a member twice": (members + [members[1]], (), f"holds {key}/{artifact.MANIFEST} twice: refusing it"),
+        "over --max-size": (members, ("--max-size", "1K"), "of files or more (at "),
+        "manifest pins 10 GiB, over --max-size": (
+            with_manifest(huge_manifest, members[2:] + [(info(f"{key}/debug/huge.bin", 10 * GIB), None)]),
+            ("--max-size", "1G"), f"(at {key}/debug/huge.bin); --max-size is 1.0G: raise it if you trust this "
+                                  "tarball"),
+        "manifest pins a path outside": (with_manifest(outside, members[2:]), (),
+                                         "a path outside its artifact directory: refusing it"),
+    }
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    before = _disk_state(cache)
+    for i, (name, (built, flags, message)) in enumerate(cases.items()):
+        tarball = _write_tar(tmp_path / f"case{i}.tar", built)
+        start = time.perf_counter()
+        for target in (dest, cache):
+            status, out = kiln_cache_cmd(capsys, "import", tarball, *flags, "--cache-dir", target)
+            assert status == 1 and message in out, (name, out)
+            assert out.startswith("kiln: error: ") and out.count("\n") == 1 and "Traceback" not in out, (name, out)
+        assert time.perf_counter() - start < 10, name  # refused from the headers, not after unpacking GiBs
+        assert not any(dest.iterdir()), name  # no staging leftovers, no artifact
+        assert _disk_state(cache) == before, name
+    with pytest.raises(KilnError, match=f"holds {blob} of {10 * GIB} bytes"):
+        transfer.import_tarball(tmp_path / "api", tmp_path / "case0.tar")
+    assert not (tmp_path / "api").exists()
+
+    # `tar -C cache -czf x.tar.gz ./KEY` names members ./KEY/...; with a ./ root, it imports as exported
+    dotted = [(info("./", dir=True), None)] + [(_with(m, name=f"./{m.name}"), d) for m, d in members]
+    got = as_json(capsys, "import", _write_tar(tmp_path / "dotted.tar", dotted), "--cache-dir", dest)
+    assert got == {"key": key, "path": str(dest / key), "new": True}
+    assert kiln_cache_cmd(capsys, "verify", "--cache-dir", dest)[0] == 0
+    assert sorted(str(p.relative_to(dest)) for p in (dest / key).rglob("*") if p.is_file()) == \
+        sorted(n for n, (m, _) in zip(names, members) if m.isfile())
+    assert not list(dest.glob(".import-*"))
