@@ -179,7 +179,7 @@ def compile_pieces(
             queued.add((key, size))
     disable = None if progress is None else not progress  # None: show only on a terminal
     with tqdm(total=len(jobs), desc="kiln compile", unit="graph", disable=disable) as bar:
-        for i, compiled, seconds in compile_jobs(jobs):
+        for i, compiled, seconds in compile_jobs(jobs, [label for *_, label in job_of]):
             key, size, stored, label = job_of[i]
             done[key, size] = compiled
             counters["pieces_compiled"] += 1
