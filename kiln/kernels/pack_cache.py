@@ -4,9 +4,10 @@ packing them again; every byte read back is checked first.
 The first load packs into memory (`packed_linear.pack`), and a background thread writes the packed
 weights to a new file, with an XXH3-128 checksum of each slot, makes it durable (fsync), read-only,
 and publishes it by a rename (a process that exits sooner waits for it). A later load reads each slot
-straight into memory of its own with positioned reads, on a thread per core, hashing each chunk as it
-arrives; a file whose size, header or any slot's checksum disagrees is named in a warning and packed
-again, so a damaged file costs a repack, never a wrong token.
+as its weight would be packed (on the packing threads) straight into memory of its own with
+positioned reads, hashing each chunk as it arrives: a file whose size or header disagrees is not
+read, and a slot whose checksum disagrees is named in a warning and packed from its weight, then the
+file is written anew. A damaged file costs a repack, never a wrong token.
 
 Why a copy, not a map of the file: a mapping serves whatever the file holds now. Rewriting the file
 in place changes a running server's weights under it, and truncating it kills every process that maps
@@ -31,7 +32,6 @@ import stat
 import struct
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -97,50 +97,81 @@ def cache_key(identity: dict, slots: list[Slot]) -> str:
 
 
 class PackFile:
-    """The packed weights of one load, kept in one file under `folder`: read back from it where it is
-    there and intact (`hit`), else packed in memory and written to a new one (`publish`). A weight with
-    no slot is packed in memory and not kept."""
+    """The packed weights of one load, kept in one file under `folder`: each slot read back from it as
+    its weight is packed, where the file is there and the slot intact, else packed in memory; after a
+    miss or any damage the whole file is written anew (`publish`). A weight with no slot is packed in
+    memory and not kept."""
 
     def __init__(self, folder: Path, identity: dict, slots: list[Slot]):
         self.slots = list(dict.fromkeys(slots))
         self.key = cache_key(identity, self.slots)
         self.path = Path(folder) / f"{self.key}{SUFFIX}"
         self.hit = False
+        """Whether every slot came from the file, intact (known once all are packed: `publish`)."""
         self.read_bytes = 0
-        """Bytes read back from the file on a hit."""
+        """Bytes of packed weights read back from the file."""
+        self.damaged: list[str] = []
+        """The slots whose bytes did not match their checksum."""
         self._packed: dict[tuple[str, str], torch.Tensor] = {}
         self._wanted = set(self.slots)
+        self._where: dict[tuple[str, str], tuple[Slot, int, bytes]] = {}
+        self._fd: int | None = None
+        self._lock = threading.Lock()
+        self._started = time.perf_counter()
         self._publisher: threading.Thread | None = None
-        if not self.slots:
-            return
-        start = time.perf_counter()
-        try:
-            self.hit = self._read_published()
-        except OSError as e:
-            logger.warning("packed weights in %s not read (%s): packing them again", self.path, e)
-            self._packed = {}
-        if self.hit:
-            logger.info("read %d packed weights (%.2f GB) from %s, checksums verified, in %.2fs", len(self.slots),
-                        self.read_bytes / 1e9, self.path, time.perf_counter() - start)
+        if self.slots:
+            try:
+                self._open()
+            except OSError as e:
+                logger.warning("packed weights in %s not read (%s): packing them again", self.path, e)
+                self._close()
+
+    def read(self, name: str, format: str) -> torch.Tensor | None:
+        """Slot (`name`, `format`) read from the file into memory of this process's own and checked
+        against its checksum; None where the file does not hold it intact (a warning names the file
+        and the slot)."""
+        where = self._where.get((name, format))
+        if where is None or self._fd is None:
+            return None
+        s, offset, expected = where
+        tensor = _read_slot(self._fd, s, offset, expected)
+        with self._lock:
+            if tensor is None:
+                self.damaged.append(name)
+                if len(self.damaged) == 1:
+                    logger.warning("packed weights file %s is damaged (the checksum of %s does not match): packing "
+                                   "again", self.path, name)
+                return None
+            self.read_bytes += s.nbytes
+        huge_pages.collapse_later(tensor)
+        return tensor
 
     def pack(self, name: str, format: str, weight: torch.Tensor) -> torch.Tensor:
-        """`weight` packed in `format`: the file's copy on a hit, else packed now (and kept for the file
-        where it has a slot)."""
-        if self.hit and (name, format) in self._packed:
-            return self._packed[name, format]
-        out = packed_linear.pack(format, weight)
-        if not self.hit and Slot(name, format, tuple(out.shape), _dtype(out)) in self._wanted:
+        """`weight` packed in `format`: the file's copy where it holds one intact, else packed now (and
+        kept for the file where it has a slot)."""
+        out = self.read(name, format)
+        if out is None:
+            out = packed_linear.pack(format, weight)
+        if Slot(name, format, tuple(out.shape), _dtype(out)) in self._wanted:
             self._packed[name, format] = out
         return out
 
     def publish(self) -> None:
-        """Once every slot is packed (after a miss): a background thread writes the file and renames it
-        into place; exit waits for it."""
-        if self.hit:
-            return
+        """Once every slot is packed: where any slot was not read intact from the file, a background
+        thread writes the file anew and renames it into place; exit waits for it."""
+        self._close()
         tensors = [self._packed.get((s.name, s.format)) for s in self.slots]
         self._packed = {}  # the program holds them; the writer holds them until written
         if not tensors or any(t is None for t in tensors):
+            return
+        self.hit = self.read_bytes == sum(s.nbytes for s in self.slots)
+        if self.hit:
+            logger.info("read %d packed weights (%.2f GB) from %s, checksums verified, in %.2fs", len(self.slots),
+                        self.read_bytes / 1e9, self.path, time.perf_counter() - self._started)
+            try:
+                os.utime(self.path)  # its last use, which `kiln cache prune` ages by
+            except OSError:  # a read-only cache still serves its files
+                pass
             return
 
         def write() -> None:
@@ -172,43 +203,32 @@ class PackFile:
             offset = _align(offset + s.nbytes)
         return MAGIC + struct.pack("<Q", len(header)) + header, offsets, offset
 
-    def _read_published(self) -> bool:
-        """Read every slot into memory of this process's own, checking each against its checksum;
-        False (and a warning naming the file and what is wrong) where the file is absent or damaged."""
+    def _open(self) -> None:
+        """Open the published file where its size and header are this key's, and read its checksums;
+        the slots are read as they are packed (`read`), each into memory freed by the plain weights
+        packed before it rather than into fresh memory, which a VM's host may have to fault in."""
         header, offsets, trailer = self._layout()
         size = trailer + DIGEST_BYTES * len(self.slots)
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
-            return False
-        try:
-            found = os.fstat(fd).st_size
-            if found != size or os.pread(fd, len(header), 0) != header:
-                problem = f"is {found} bytes, not {size}" if found != size else "has another header"
-                logger.warning("packed weights file %s %s (damaged, or not this key's): packing again", self.path,
-                               problem)
-                return False
-            digests = os.pread(fd, DIGEST_BYTES * len(self.slots), trailer)
-            with ThreadPoolExecutor(torch.get_num_threads()) as pool:
-                read = list(pool.map(lambda i: _read_slot(fd, self.slots[i], offsets[i],
-                                                          digests[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES]),
-                                     range(len(self.slots))))
-        finally:
-            os.close(fd)
-        damaged = [s.name for s, tensor in zip(self.slots, read) if tensor is None]
-        if damaged:
-            logger.warning("packed weights file %s is damaged (the checksum of %s does not match%s): packing again",
-                           self.path, damaged[0], f", nor of {len(damaged) - 1} more" if len(damaged) > 1 else "")
-            return False
-        for tensor in read:
-            huge_pages.collapse_later(tensor)
-        self._packed = {(s.name, s.format): t for s, t in zip(self.slots, read)}
-        self.read_bytes = size
-        try:
-            os.utime(self.path)  # its last use, which `kiln cache prune` ages by
-        except OSError:  # a read-only cache still serves its files
-            pass
-        return True
+            return
+        self._fd = fd
+        found = os.fstat(fd).st_size
+        if found != size or os.pread(fd, len(header), 0) != header:
+            problem = f"is {found} bytes, not {size}" if found != size else "has another header"
+            logger.warning("packed weights file %s %s (damaged, or not this key's): packing again", self.path, problem)
+            self._close()
+            return
+        digests = os.pread(fd, DIGEST_BYTES * len(self.slots), trailer)
+        self._where = {(s.name, s.format): (s, o, digests[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES])
+                       for i, (s, o) in enumerate(zip(self.slots, offsets))}
+
+    def _close(self) -> None:
+        self._where = {}
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def _write(self, tensors: list[torch.Tensor]) -> None:
         """Write the file aside, durable and read-only, then rename it into place."""
