@@ -33,6 +33,7 @@ def test_head_libraries_run_the_panel_gemms_at_any_row_count(tmp_path, monkeypat
         torch.testing.assert_close(out, x @ w.t(), rtol=1e-4, atol=1e-4)
         [out] = int8(a, panel_linear.pack_int8(codes))
         assert torch.equal(out, torch._int_mm(a, codes.t()).float())
-    monkeypatch.setattr(workers, "compile_jobs", lambda jobs: pytest.fail("compiled again") if jobs else iter(()))
+    monkeypatch.setattr(workers, "compile_jobs",
+                        lambda jobs, names=None: pytest.fail("compiled again") if jobs else iter(()))
     again = head_library.build(["panels16_int8"], (96, 40), cache)
     assert again["panels16_int8"].library == built["panels16_int8"].library

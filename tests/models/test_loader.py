@@ -113,3 +113,20 @@ def test_tied_config_with_a_stored_lm_head_uses_it_as_transformers_does(demo_dir
     with caplog.at_level("WARNING", logger="kiln"):
         assert _load(copy).config.tie_word_embeddings
     assert "lm_head" not in caplog.text
+
+
+def test_the_load_returns_the_checksum_of_every_byte_it_read(demo_dirs, tmp_path):
+    """What keys the packed weights: the same bytes anywhere give the same checksum; one weight's
+    change, even in a file of the same size, another."""
+    config = ModelConfig.from_model_dir(demo_dirs["llama"])
+    checksum = load_weights(create_model(config, torch.float32), demo_dirs["llama"])
+    assert len(checksum) == 32
+    copy = _copy_with(demo_dirs["llama"], tmp_path / "copy", lambda tensors: None)  # rewritten, same tensors
+    assert load_weights(create_model(config, torch.float32), copy) == checksum
+
+    def nudge(tensors):
+        tensors["model.layers.1.mlp.down_proj.weight"][3, 5] += 1.0
+
+    edited = _copy_with(demo_dirs["llama"], tmp_path / "edited", nudge)
+    assert (edited / "model.safetensors").stat().st_size == (copy / "model.safetensors").stat().st_size
+    assert load_weights(create_model(config, torch.float32), edited) != checksum
