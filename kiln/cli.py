@@ -272,7 +272,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> None:
-    from kiln.runtime.server import serve, warm_up
+    from kiln.server.app import serve, warm_up
 
     config = _server_config(args)
     _as_ranks(args)

@@ -1,54 +1,36 @@
-"""The OpenAI-compatible HTTP API (DESIGN.md section 7): FastAPI routes over an `AsyncEngine`.
+"""The OpenAI-compatible HTTP API (DESIGN.md section 7): the route table over an `AsyncEngine`, its
+OpenAPI schema, and `serve`, which runs it under uvicorn.
 
 Every error, from malformed JSON to a prompt longer than the context, is answered in OpenAI's error
-shape with a 4xx; a client that disconnects, mid-stream or while waiting for a whole answer, aborts
-its requests. Bodies are bounded (`http_limits`), parsed and prepared off the event loop (`serving`);
-one request's failure is its own (`RequestFailed`), and if the engine thread ever stops, `serve`
-returns with an error so that the process exits and a supervisor restarts it.
+shape with a 4xx (`errors`); a client that disconnects, mid-stream or while waiting for a whole answer,
+aborts its requests. Bodies are bounded (`http_limits`), parsed and prepared off the event loop
+(`serving`); one request's failure is its own (`RequestFailed`), and if the engine thread ever stops,
+`serve` returns with an error so that the process exits and a supervisor restarts it.
 """
 
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import Callable
-from typing import TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException
+from fastapi.responses import Response
+from pydantic import BaseModel
 
 from kiln.config import ServerConfig
 from kiln.errors import KilnError
-from kiln.runtime.async_engine import (AsyncEngine, EngineUnavailable, Overloaded, RequestFailed, RequestTimedOut,
-                                       StepFailed)
-from kiln.runtime.http_limits import BodyLimit, guarded_protocol
+from kiln.runtime.async_engine import AsyncEngine
 from kiln.runtime.lockstep import StepFeed
 from kiln.runtime.metrics import CONTENT_TYPE
-from kiln.runtime.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse, to_json,
-                                   validation_message)
 from kiln.runtime.sampler import SamplingParams
-from kiln.runtime.serving import Server, ServerError, chat, complete, off_loop
 from kiln.runtime.tokenizer import Tokenizer
+from kiln.server.errors import ApiKeyMiddleware, KilnJSONResponse, add_error_handlers, error
+from kiln.server.http_limits import BodyLimit, guarded_protocol
+from kiln.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from kiln.server.serving import Server, chat, complete, read_body
 
 logger = logging.getLogger(__name__)
-Body = TypeVar("Body", bound=BaseModel)
-
-
-class KilnJSONResponse(JSONResponse):
-    """JSON every client parses: no NaN or Infinity (`protocol.to_json`)."""
-
-    def render(self, content) -> bytes:
-        return to_json(content)
-
-
-def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-          code: str | None = None) -> JSONResponse:
-    """OpenAI's error shape."""
-    return KilnJSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
 
 
 def _errors(*statuses: int) -> dict:
@@ -72,42 +54,9 @@ GENERATION_RESPONSES = {
 
 
 def _body_schema(model: type[BaseModel]) -> dict:
-    """The OpenAPI request body of a route that parses its own (off the event loop, see `read_body`)."""
+    """The OpenAPI request body of a route that parses its own (off the event loop: `serving.read_body`)."""
     return {"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
-
-
-async def read_body(request: Request, model: type[Body]) -> Body:
-    """The request body as `model`, parsed and validated on a worker thread (`BodyLimit` has bounded
-    its size); a 400 naming the field otherwise."""
-    raw = await request.body()
-    try:
-        return await off_loop(model.model_validate_json, raw)
-    except ValidationError as e:
-        message, param = validation_message(e, model)
-        raise ServerError(400, message, param=param) from None
-
-
-class ApiKeyMiddleware:
-    """Answers 401 in OpenAI's shape to a request without `Authorization: Bearer <key>`, before its
-    body is read; `exempt` paths pass (probes, scrapers). Pure ASGI: streaming and disconnects pass
-    through untouched."""
-
-    def __init__(self, app, key: str, exempt: tuple[str, ...] = ()):
-        self.app, self._key, self._exempt = app, key.encode(), set(exempt)
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in self._exempt:
-            return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = given.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key):
-            return await self.app(scope, receive, send)
-        message = ("the API key is not valid" if given else
-                   "no API key: send `Authorization: Bearer <key>` (this server requires one)")
-        response = error(401, message, code="invalid_api_key")
-        response.headers["WWW-Authenticate"] = "Bearer"
-        await response(scope, receive, send)
 
 
 def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_model_len: int,
@@ -116,7 +65,6 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_m
     the per-request caps; its listening options (host, port, TLS, header and keep-alive timeouts) are
     `serve`'s, and its queue limit and timeout the engine's (`AsyncEngine(max_queued=, request_timeout=)`)."""
     config = config or ServerConfig()
-    server = Server(engine, tokenizer, model_name, max_model_len, config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -126,93 +74,64 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_m
 
     app = FastAPI(title="kiln", summary="OpenAI-compatible completions over compiled kiln artifacts",
                   lifespan=lifespan, default_response_class=KilnJSONResponse)
-    app.state.server = server
+    app.state.server = Server(engine, tokenizer, model_name, max_model_len, config)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes, timeout=config.body_timeout)
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, key=config.api_key, exempt=config.auth_exempt)
     if config.allowed_origins:  # outermost: a browser's preflight carries no key
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
-    _add_error_handlers(app)
-
-    @app.get("/health", responses={200: {"description": "the engine serves"}, **_errors(405, 503)})
-    async def health() -> Response:
-        if not engine.healthy:
-            return error(503, f"the engine is not running ({engine.error})", "server_error")
-        return KilnJSONResponse({"status": "ok"})
-
-    @app.get("/v1/models", responses=_errors(405))
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
-                                            "owned_by": "kiln", "max_model_len": max_model_len}]}
-
-    @app.get("/metrics", response_class=Response, responses={
-        200: {"description": "Prometheus text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}},
-        **_errors(405)})
-    async def metrics() -> Response:
-        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.post("/v1/completions", responses=GENERATION_RESPONSES, openapi_extra=_body_schema(CompletionRequest))
-    async def completions(request: Request) -> Response:
-        return await complete(server, await read_body(request, CompletionRequest), request)
-
-    @app.post("/v1/chat/completions", responses=GENERATION_RESPONSES,
-              openapi_extra=_body_schema(ChatCompletionRequest))
-    async def chat_completions(request: Request) -> Response:
-        return await chat(server, await read_body(request, ChatCompletionRequest), request)
-
+    add_error_handlers(app)
+    _add_routes(app)
     app.openapi = _openapi(app, model_name, config)
     return app
 
 
-def _add_error_handlers(app: FastAPI) -> None:
-    """Every failure as OpenAI's error shape, with the status it deserves."""
+def _add_routes(app: FastAPI) -> None:
+    """The route table; each route finds its `Server` on the app's state."""
+    app.add_api_route("/health", health, methods=["GET"],
+                      responses={200: {"description": "the engine serves"}, **_errors(405, 503)})
+    app.add_api_route("/v1/models", models, methods=["GET"], responses=_errors(405))
+    app.add_api_route("/metrics", metrics, methods=["GET"], response_class=Response, responses={
+        200: {"description": "Prometheus text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        **_errors(405)})
+    app.add_api_route("/v1/completions", completions, methods=["POST"], responses=GENERATION_RESPONSES,
+                      openapi_extra=_body_schema(CompletionRequest))
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"], responses=GENERATION_RESPONSES,
+                      openapi_extra=_body_schema(ChatCompletionRequest))
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error(400, f"invalid request: {exc.errors()[0].get('msg', '') if exc.errors() else ''}")
 
-    @app.exception_handler(HTTPException)
-    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
-        kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
-        response = error(exc.status_code, str(exc.detail), kind)
-        response.headers.update(exc.headers or {})  # a 405's Allow
-        return response
+def _server(request: Request) -> Server:
+    """The `Server` that `create_app` put on the app's state."""
+    return request.app.state.server
 
-    @app.exception_handler(ServerError)
-    async def _server_error(request: Request, exc: ServerError) -> JSONResponse:
-        return error(exc.status, str(exc), exc.kind, param=exc.param, code=exc.code)
 
-    @app.exception_handler(KilnError)
-    async def _kiln_error(request: Request, exc: KilnError) -> JSONResponse:
-        return error(400, str(exc))
+# The routes carry comments, not docstrings: FastAPI would publish a docstring as the operation's
+# description in the OpenAPI schema.
 
-    @app.exception_handler(RequestFailed)
-    async def _request_failed(request: Request, exc: RequestFailed) -> JSONResponse:
-        return error(400, str(exc)) if exc.client_error else error(500, str(exc), "server_error")
+async def health(request: Request) -> Response:  # 200 while the engine thread runs, else 503 naming why
+    engine = _server(request).engine
+    if not engine.healthy:
+        return error(503, f"the engine is not running ({engine.error})", "server_error")
+    return KilnJSONResponse({"status": "ok"})
 
-    @app.exception_handler(StepFailed)
-    async def _step_failed(request: Request, exc: StepFailed) -> JSONResponse:
-        return error(500, str(exc), "server_error")
 
-    @app.exception_handler(EngineUnavailable)
-    async def _unavailable(request: Request, exc: EngineUnavailable) -> JSONResponse:
-        return error(503, str(exc), "server_error")
+async def models(request: Request) -> dict:  # the one model served, in OpenAI's list shape
+    server = _server(request)
+    return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                        "owned_by": "kiln", "max_model_len": server.max_model_len}]}
 
-    @app.exception_handler(Overloaded)
-    async def _overloaded(request: Request, exc: Overloaded) -> JSONResponse:
-        response = error(503, str(exc), "server_error", code="overloaded")
-        response.headers["Retry-After"] = "1"
-        return response
 
-    @app.exception_handler(RequestTimedOut)
-    async def _timed_out(request: Request, exc: RequestTimedOut) -> JSONResponse:
-        return error(408, str(exc), "timeout_error")
+async def metrics(request: Request) -> Response:  # Prometheus text
+    return Response(_server(request).engine.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, exc: Exception) -> JSONResponse:  # never expected: logged with its trace
-        logger.exception("error serving %s %s", request.method, request.url.path)
-        return error(500, f"internal error: {type(exc).__name__}", "server_error")
+
+async def completions(request: Request) -> Response:  # the body parsed off the event loop, not by FastAPI
+    return await complete(_server(request), await read_body(request, CompletionRequest), request)
+
+
+async def chat_completions(request: Request) -> Response:  # as completions
+    return await chat(_server(request), await read_body(request, ChatCompletionRequest), request)
 
 
 def _openapi(app: FastAPI, model_name: str, config: ServerConfig) -> Callable[[], dict]:

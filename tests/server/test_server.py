@@ -13,9 +13,9 @@ import pytest
 from kiln import LLM, SamplingParams
 from kiln.models.demo import paragraph_openings
 from kiln.runtime.async_engine import AsyncEngine
-from kiln.runtime.server import create_app
+from kiln.server.app import create_app
 from tests.oracle import PROMPTS
-from tests.runtime.live import live_server
+from tests.server.live import live_server
 
 MODEL = "demo-llama"
 MAX_MODEL_LEN = 256

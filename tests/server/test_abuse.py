@@ -16,7 +16,7 @@ import pytest
 
 from tests.oracle import PROMPTS
 from tests.processes import REPO, free_port, server_process
-from tests.runtime.faulty_serve import FAULTS, KILL_ENGINE, NAN_PROMPT_SCORES
+from tests.server.faulty_serve import FAULTS, KILL_ENGINE, NAN_PROMPT_SCORES
 
 MODEL = "demo"
 VOCAB = 512
@@ -29,7 +29,7 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
 def _command(model_dir, port: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "tests.runtime.faulty_serve", "serve", str(model_dir), "--port", str(port),
+    return [sys.executable, "-m", "tests.server.faulty_serve", "serve", str(model_dir), "--port", str(port),
             "--artifact", "eager", "--served-model-name", MODEL, *extra]
 
 

@@ -1,6 +1,6 @@
 """`kiln serve` with failures injected into the requests that carry one of `FAULTS`' seeds, each at
 one stage of a request's life and each of an exception type kiln never raises itself: run as
-`python -m tests.runtime.faulty_serve serve MODEL_DIR ...` (the same arguments as `kiln`).
+`python -m tests.server.faulty_serve serve MODEL_DIR ...` (the same arguments as `kiln`).
 
 A seed of `KILL_ENGINE` raises outside any request's work, in the engine thread's own loop: the
 server must then exit non-zero instead of answering 503 for ever."""
@@ -28,7 +28,8 @@ def _seeded(params, seed: int) -> bool:
 
 
 def install() -> None:
-    from kiln.runtime import async_engine, engine, serving
+    from kiln.runtime import async_engine, engine
+    from kiln.server import serving
 
     real_add, real_output = engine.Engine.add_request, engine.Engine._output
     real_adjust, real_sample = engine.adjust_logits, engine.sample

@@ -1,5 +1,5 @@
-"""From an API request to engine requests and back: limits, tokenization, the engine streams, and
-each choice's JSON (whole, or as server-sent events).
+"""From an API request to engine requests and back: the body parsed, limits, tokenization, the engine
+streams, and each choice's JSON (whole, or as server-sent events).
 
 What grows with the request (tokenizing, compiling its grammar, formatting a long answer with its
 logprobs) runs on worker threads, never on the event loop: one large request does not stall health
@@ -12,34 +12,28 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from kiln.config import ServerConfig
 from kiln.errors import KilnError
-from kiln.runtime.async_engine import (AsyncEngine, EngineUnavailable, RequestFailed, RequestStream, RequestTimedOut,
-                                       StepFailed)
+from kiln.runtime.async_engine import AsyncEngine, RequestStream
 from kiln.runtime.engine import RequestOutput
-from kiln.runtime.protocol import (ChatCompletionRequest, CompletionRequest, SamplingRequest, StreamOptions,
-                                   to_json)
 from kiln.runtime.structured_output import StructuredOutput
 from kiln.runtime.tokenizer import Tokenizer, TooManyTokens
+from kiln.server.errors import ServerError, stream_error
+from kiln.server.protocol import (ChatCompletionRequest, CompletionRequest, SamplingRequest, StreamOptions, to_json,
+                                  validation_message)
 
 logger = logging.getLogger(__name__)
+Body = TypeVar("Body", bound=BaseModel)
 
 Prompt = tuple[list[int], str | None]
 """A prompt's token ids, and its text where it came as text."""
-
-
-class ServerError(Exception):
-    """A 4xx the route decided on, raised from deep in request handling."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None):
-        super().__init__(message)
-        self.status, self.kind, self.code, self.param = status, kind, code, param
 
 
 class Server:
@@ -295,7 +289,7 @@ def event_stream(streams: list[RequestStream], head: dict, choice: Callable[[int
                 if len(out.text) > chars or out.finished:
                     yield _sse({**head, "choices": [choice(index, out, chars, toks)]})
         except Exception as e:  # noqa: BLE001 - whatever it is, the client gets an event, not a cut stream
-            yield _sse({"error": {**_stream_error(e), "param": None, "code": None}})
+            yield _sse({"error": {**stream_error(e), "param": None, "code": None}})
             yield "data: [DONE]\n\n"
             return
         if options and options.include_usage:
@@ -303,18 +297,6 @@ def event_stream(streams: list[RequestStream], head: dict, choice: Callable[[int
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
-
-
-def _stream_error(e: Exception) -> dict:
-    """The message and type of an error event, as the same failure would be answered before streaming."""
-    if isinstance(e, RequestTimedOut):
-        return {"message": str(e), "type": "timeout_error"}
-    if isinstance(e, KilnError) or (isinstance(e, RequestFailed) and e.client_error):
-        return {"message": str(e), "type": "invalid_request_error"}
-    if isinstance(e, (StepFailed, EngineUnavailable, RequestFailed)):
-        return {"message": str(e), "type": "server_error"}
-    logger.error("error in a response stream", exc_info=e)
-    return {"message": f"internal error: {type(e).__name__}: {e}", "type": "server_error"}
 
 
 async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -377,6 +359,17 @@ async def finals(streams: list[RequestStream], request: Request) -> list[Request
 async def off_loop(fn: Callable, *args):
     """`fn(*args)` on a worker thread: work that grows with the request never holds the event loop."""
     return await run_in_threadpool(fn, *args)
+
+
+async def read_body(request: Request, model: type[Body]) -> Body:
+    """The request body as `model`, parsed and validated on a worker thread (`BodyLimit` has bounded
+    its size); a 400 naming the field otherwise."""
+    raw = await request.body()
+    try:
+        return await off_loop(model.model_validate_json, raw)
+    except ValidationError as e:
+        message, param = validation_message(e, model)
+        raise ServerError(400, message, param=param) from None
 
 
 def _vllm_prompt_logprobs(out: RequestOutput, top: int, token_text: Callable[[int], str]) -> list[dict | None]:
