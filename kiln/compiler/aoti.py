@@ -3,8 +3,9 @@
 A library holds the piece's C++ wrapper and its kernels; it runs through torch's C++ runner, so
 loading one imports none of Inductor's Python (its Python wrapper alone pulls in the whole
 compiler: about 2 s of imports on this CPU, more than the rest of a start-up). Custom ops in the
-piece (kiln's, but for the projections: `onednn_lowering`, `panel_lowering`) are called through a
-proxy executor that reads the op calls from a JSON file beside the library, named like it.
+piece (kiln's, but for the projections: `kiln.kernels.onednn_lowering`, `kiln.kernels.cpp_lowering`)
+are called through a proxy executor that reads the op calls from a JSON file beside the library,
+named like it.
 """
 
 import json
@@ -68,10 +69,10 @@ def compile_library(graph: fx.GraphModule, examples: list, fake_mode) -> Compile
     dynamic) into a library. Kernels are embedded in the library (GPU code included), so the one file is all a load needs."""
     import torch._inductor
 
-    from kiln.compiler import onednn_lowering, panel_lowering
+    from kiln.kernels import cpp_lowering, onednn_lowering
 
     onednn_lowering.register()  # kiln's oneDNN ops as C shim calls, not proxy calls
-    panel_lowering.register()  # kiln's panel GEMM compiled into the piece
+    cpp_lowering.register()  # kiln's panel GEMM compiled into the piece
     for node, value in zip(graph.graph.find_nodes(op="placeholder"), examples):
         node.meta["val"] = value  # a static compile's examples come from another fake mode
     output = next(n for n in reversed(graph.graph.nodes) if n.op == "output")

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kiln.kernels import decode_attention
-
 
 @dataclass
 class AttentionMetadata:
@@ -124,10 +122,17 @@ def _all_decodes(query_start_loc: torch.Tensor, tokens: int) -> bool:
     return answer
 
 
+def decode_params(scale: float, window: int) -> torch.Tensor:
+    """The `params` argument of a `decode` library (`kiln::decode_attention`, `attention_native` calls it):
+    [scale, window] as fp32 (a window of 0 or less: the whole context). Here, with its caller, so that the
+    kernel's module can take its reference from this one without this one importing it."""
+    return torch.tensor([scale, float(max(window, 0))], dtype=torch.float32)
+
+
 @functools.lru_cache(maxsize=8)
 def _decode_params(scale: float, sliding_window: int) -> torch.Tensor:
     """The decode library's `params` tensor, made once per layer shape, not per call."""
-    return decode_attention.params(scale, sliding_window)
+    return decode_params(scale, sliding_window)
 
 
 def _make_plan(query_start_loc, seq_lens, block_tables, block_size: int, window: int | None,

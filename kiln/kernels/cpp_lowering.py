@@ -3,6 +3,7 @@ decode attention (`kiln.kernels.decode_attention`) and the LM head's greedy scre
 (`kiln.kernels.greedy_screen`). A kernel's C++ goes into the wrapper of the piece
 that calls it, and the piece calls it like one of torch's C shim functions, from C++ with no Python.
 The kernel is thus compiled with the piece, for the same ISA, and ships inside the artifact's library.
+Each module's C++ is read from kiln/kernels/csrc (`kiln.kernels.cpp_source`).
 """
 
 import functools
