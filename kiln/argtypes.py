@@ -34,3 +34,15 @@ def fraction(text: str) -> float:
     if value > 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
+
+
+def units(parse):
+    """A value `parse` reads (`kiln.units`: "10G", "7d"), its ValueError shown as the option's error."""
+
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return convert

@@ -1,8 +1,8 @@
 """The checksum kiln keeps of bytes it writes to a cache and reads back: XXH3-128 (python-xxhash).
 
-Why XXH3: it runs at memory speed, so checking every byte costs next to nothing at a start. On a
-2-core AMD EPYC VM (Zen 5), one thread hashed 2 GB in 0.06-0.1 s (20-32 GB/s), where sha256 takes some
-seconds; and it releases the GIL, so reads on several threads also hash in parallel. It detects
+Why XXH3: it runs at memory speed on one thread, so checking every byte costs next to nothing at a
+start where sha256 would take seconds (docs/integrity.md has the measurements); and it releases the
+GIL, so reads on several threads also hash in parallel. It detects
 damage (a flipped bit, a zeroed page, a splice of another file), not tampering: an artifact's
 manifest, which says what to run, stays under sha256.
 """

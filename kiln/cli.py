@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from kiln.argtypes import at_least, fraction, positive
+from kiln.argtypes import at_least, fraction, positive, units
 from kiln.config import DTYPES, LM_HEAD_QUANTIZATIONS, QUANTIZATIONS
 from kiln.errors import KilnError
 
@@ -247,7 +247,7 @@ def _add_threads_option(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
-    from kiln.cache_tools.units import parse_size
+    from kiln.units import parse_size
     from kiln.config import EngineConfig
 
     parser.add_argument("--max-model-len", type=at_least(2), metavar="N", help="prompt + generated tokens per "
@@ -258,7 +258,7 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                         "vocabularies (w7a8: 7-bit weight codes, faster on x86 CPUs without VNNI); "
                         "benchmarks/quantization.py reports its effect on greedy outputs (default: the model dtype)")
 
-    parser.add_argument("--kv-cache-memory", type=_units(parse_size), metavar="SIZE", help="memory for the paged "
+    parser.add_argument("--kv-cache-memory", type=units(parse_size), metavar="SIZE", help="memory for the paged "
                         "KV cache, e.g. 8G (default: --memory-utilization of the memory left after the weights); "
                         "it never exceeds max-num-seqs full sequences")
     parser.add_argument("--memory-utilization", type=fraction, default=EngineConfig.memory_utilization,
@@ -358,18 +358,8 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     raise AssertionError(args.cache_command)
 
 
-def _units(parse):
-    def convert(text: str):
-        try:
-            return parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    return convert
-
-
 def _add_cache_parser(sub) -> None:
-    from kiln.cache_tools.units import parse_age, parse_size
+    from kiln.units import parse_age, parse_size
 
     cache = sub.add_parser("cache", help="list, check, explain, prune, move and read cached artifacts",
                            description="Inspect and manage the artifact cache ($KILN_CACHE, else ~/.cache/kiln). "
@@ -404,8 +394,8 @@ def _add_cache_parser(sub) -> None:
     p = command("prune", "delete old or least recently used artifacts", "Delete artifacts last used (or made) "
                 "longer ago than --older-than, then the least recently used ones while the cache is larger than "
                 "--max-size. An artifact being compiled or loaded by a running process is never deleted.")
-    p.add_argument("--older-than", type=_units(parse_age), metavar="AGE", help="e.g. 12h, 7d, 2w")
-    p.add_argument("--max-size", type=_units(parse_size), metavar="SIZE", help="e.g. 500M, 10G")
+    p.add_argument("--older-than", type=units(parse_age), metavar="AGE", help="e.g. 12h, 7d, 2w")
+    p.add_argument("--max-size", type=units(parse_size), metavar="SIZE", help="e.g. 500M, 10G")
     p.add_argument("-n", "--dry-run", action="store_true", help="show what would be deleted; delete nothing")
     p = command("export", "write an artifact to a .tar.gz", "Verify an artifact and write it as one tarball, to "
                 "import on another machine with the same torch and CPU (compile in CI, serve elsewhere).")
@@ -422,7 +412,7 @@ def _add_cache_parser(sub) -> None:
     p.add_argument("tarball", metavar="FILE")
     p.add_argument("--sha256", metavar="HEX|FILE", help="refuse the tarball unless its sha256 is this (64 hex "
                    "digits, or the .sha256 file `export --sha256` wrote)")
-    p.add_argument("--max-size", type=_units(parse_size), metavar="SIZE", help="refuse the tarball if its files "
+    p.add_argument("--max-size", type=units(parse_size), metavar="SIZE", help="refuse the tarball if its files "
                    "add up to more than this, e.g. 500M (default: 4 times what its manifest declares)")
     p = command("dump", "write an artifact as readable code", "Write the manifest, the stitching programs, "
                 "Dynamo's depyf-decompiled bytecode and graph, the graphs before and after the passes, every "
@@ -432,16 +422,21 @@ def _add_cache_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kiln.config import ServerConfig
-
-    from kiln.models.demo import DEMO_ARCHS, TRAIN_STEPS
-
     parser = argparse.ArgumentParser(
         prog="kiln", description="kiln: compile Hugging Face decoder models ahead of time and run them."
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="-v for INFO logs, -vv for DEBUG")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_generate_parser(sub)
+    _add_compile_parser(sub)
+    _add_serve_parser(sub)
+    _add_demo_parser(sub)
+    _add_cache_parser(sub)
+    _add_bench_parser(sub)
+    return parser
 
+
+def _add_generate_parser(sub) -> None:
     gen = sub.add_parser("generate", help="generate text from prompts (eager)", description="Generate text from "
                          "one or more prompts and print it. Greedy unless --temperature is set.")
     gen.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model directory (config.json, "
@@ -466,6 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_options(gen)
     gen.set_defaults(func=_cmd_generate)
 
+
+def _add_compile_parser(sub) -> None:
     comp = sub.add_parser("compile", help="trace and compile a model into a cached artifact",
                           description="Trace the model's decoder once, split it at attention, compile each unique "
                           "piece with AOTInductor and save one artifact (program, compiled piece libraries) "
@@ -486,6 +483,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "(compiled pieces kept for reuse are not read)")
     comp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     comp.set_defaults(func=_cmd_compile)
+
+
+def _add_serve_parser(sub) -> None:
+    from kiln.config import ServerConfig
+    from kiln.units import parse_size
 
     srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API", description="Load the model and its "
                          "compiled artifact (compiling it first if absent, unless --require-artifact) and serve "
@@ -513,12 +515,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"answered 503 with Retry-After (default {ServerConfig.max_queued_requests})")
     limits.add_argument("--request-timeout", type=positive, metavar="SECONDS", help="abort a request this "
                         "long after it arrived, queueing included, and answer 408 (default: no limit)")
-    from kiln.cache_tools.units import parse_size
-
     for name, kind, says in _REQUEST_LIMITS:  # each a 400 (413, 408) naming its flag when a request passes it
         default = getattr(ServerConfig, name)
         metavar = "SIZE" if kind == "size" else "SECONDS" if name.endswith("timeout") else "N"
-        limits.add_argument("--" + name.replace("_", "-"), type=_units(parse_size) if kind == "size" else kind,
+        limits.add_argument("--" + name.replace("_", "-"), type=units(parse_size) if kind == "size" else kind,
                             default=default, metavar=metavar, help=f"{says} (default {default if isinstance(default, int) else f'{default:g}'})")
     security = srv.add_argument_group("security")
     security.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on every request "
@@ -536,9 +536,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_options(srv)
     srv.set_defaults(func=_cmd_serve)
 
+
+def _add_demo_parser(sub) -> None:
+    from kiln.models.demo import DEMO_ARCHS, TRAIN_STEPS
+
     demo = sub.add_parser("demo-model", help="write a tiny model kiln can run (nothing is downloaded)",
                           description="Write a tiny Hugging Face-format model and a byte-level BPE tokenizer, "
-                          "both trained on a short text shipped with kiln (training takes ~25 s on 2 cores; "
+                          "both trained on a short text shipped with kiln (training takes seconds on 2 cores; "
                           "--train-steps 0 keeps the random weights).")
     demo.add_argument("out_dir", metavar="OUT_DIR")
     demo.add_argument("--arch", default="llama", choices=DEMO_ARCHS, help="architecture (default llama)")
@@ -547,8 +551,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--train-steps", type=at_least(0), default=TRAIN_STEPS, metavar="N",
                       help=f"training steps on the shipped text (default {TRAIN_STEPS}; 0: random weights)")
     demo.set_defaults(func=_cmd_demo_model)
-    _add_cache_parser(sub)
 
+
+def _add_bench_parser(sub) -> None:
     from kiln.bench import decode, startup
 
     bench = sub.add_parser("bench", help="benchmark kiln on a model directory (JSON on stdout)",
@@ -562,7 +567,6 @@ def build_parser() -> argparse.ArgumentParser:
                              description=decode.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     decode.add_arguments(dec)
     dec.set_defaults(func=decode.run)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -160,7 +160,7 @@ _probe: threading.Thread | None = None
 
 
 def probe_cpu_in_background() -> None:
-    """Start Inductor's probe of which vector ISAs g++ can build (one test build per ISA: 18 s here
+    """Start Inductor's probe of which vector ISAs g++ can build (one test build per ISA, seconds each
     with an empty Inductor cache), so it runs while the model is traced; Inductor keeps the answer
     in memory, and workers forked after it inherit it instead of each probing again.
 

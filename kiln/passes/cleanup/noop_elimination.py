@@ -20,7 +20,7 @@ def _value(node) -> torch.Tensor | None:
 
 
 def _known_true(expr) -> bool:
-    """torch's `statically_known_true`, imported on first use: its module imports sympy (0.5 s), which
+    """torch's `statically_known_true`, imported on first use: its module imports sympy (slow to import), which
     a process that only loads artifacts never needs."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
