@@ -1,24 +1,19 @@
 """`LLM`: offline batch generation, the Python entry point most users start from."""
 
-import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from kiln.cache_tools.units import format_size
 from kiln.compiler.key import cache_key, kiln_source_hash, model_factors
 from kiln.config import (CompileConfig, EngineConfig, ParallelConfig, cpu_has_native_bf16, default_cache_dir,
                          parse_device, parse_dtype)
 from kiln.errors import KilnError
-from kiln.kernels import huge_pages, pack_cache, packed_linear
-from kiln.kernels.pack_cache import PackFile, Slot
 from kiln.models.config import ModelConfig
 from kiln.models.lm_head import quantize_lm_head
-from kiln.models.loader import checkpoint_bytes, load_weights
-from kiln.models.quantization import check_scheme, quantize_model
+from kiln.models.quantization import check_scheme, cpu_note, quantize_model
 from kiln.models.registry import create_model
 from kiln.passes import GraphPass
 from kiln.runtime.engine import Engine, RequestOutput
@@ -28,6 +23,8 @@ from kiln.runtime.parallel import init_from_env
 from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.tokenizer import Tokenizer
 from kiln.threads import use_threads
+from kiln.units import format_size
+from kiln.weights.model_weights import ModelWeights, PackFileOpener
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +45,7 @@ class LLM:
     against the memory available; the KV cache then takes `memory_utilization` of what is left.
     `artifact=PATH` runs that artifact directly (no key lookup, never compiles). On a CPU, a compiled
     program's packed weights are kept in `cache_dir`/packed, keyed by the checkpoint's contents, and
-    read back, every byte checked, by later loads (`kiln.kernels.pack_cache`; `$KILN_PACK_CACHE=off`
+    read back, every byte checked, by later loads (`kiln.weights.pack_cache`; `$KILN_PACK_CACHE=off`
     packs them in memory at every load).
     `tensor_parallel_size=N` splits the model over N processes started by `torchrun --nproc-per-node N`:
     every rank builds its share, and every rank returns the same outputs. `threads` sets the CPU
@@ -83,6 +80,7 @@ class LLM:
         if not model_dir.is_dir():
             raise KilnError(f"model directory {model_dir} does not exist")
         self.model_config = ModelConfig.from_model_dir(model_dir)
+        self.weights = ModelWeights(model_dir)
         self.dtype = self.model_config.resolve_dtype(dtype)
         """The dtype the model runs in: `dtype`, or for "auto" the checkpoint's."""
         chosen = parse_device(device)
@@ -93,7 +91,7 @@ class LLM:
         engine_config = EngineConfig(**engine_options)
         self._check_memory(engine_config)
         self.model = create_model(self.model_config, parse_dtype(self.dtype), self.device, self.parallel)
-        self.checkpoint_checksum = load_weights(self.model, model_dir)
+        self.checkpoint_checksum = self.weights.load_into(self.model)
         """The checksum of every checkpoint byte loaded (`kiln.checksum`): what keys the packed weights."""
         self.quantization = check_scheme(quantization)
         """The scheme the projections were quantized to at load (None: as the checkpoint has them)."""
@@ -110,10 +108,10 @@ class LLM:
         if artifact is not None or compile or require_artifact:
             self._packs = self._pack_file(Path(cache_dir or default_cache_dir()), self.quantization, lm_head_quantization)
         if artifact is not None:  # this artifact and no other: never compiles
-            from kiln.compiler import artifact as artifacts
+            from kiln.runtime import bind  # imports Inductor's loader: only for a compiled model
 
             self.artifact_path = Path(artifact)
-            forward = artifacts.load(self.artifact_path, self.model, release_weights=True, packs=self._packs)
+            forward = bind.load(self.artifact_path, self.model, release_weights=True, packs=self._packs)
             if engine_config.max_num_batched_tokens > forward.graph.max_num_tokens:
                 raise KilnError(
                     f"max_num_batched_tokens {engine_config.max_num_batched_tokens} exceeds the max_num_tokens "
@@ -131,7 +129,7 @@ class LLM:
                                      passes)
         self.engine = Engine(self.model, engine_config, self.tokenizer, seed=seed, forward=forward)
         if self.device.type == "cpu":
-            huge_pages.start()  # packed weights onto huge pages while the CPUs idle, not before ready
+            ModelWeights.settle()  # packed weights onto huge pages while the CPUs idle, not before ready
         logger.info("ready in %.2fs", time.perf_counter() - start)
 
     @property
@@ -149,19 +147,14 @@ class LLM:
     def quantization_note(self) -> str | None:
         """For the start-up lines: on a CPU whose int8 GEMM is exact only split (no VNNI), that w7a8 is
         the faster int8 there; None where that does not apply."""
-        if self.quantization != "int8" or self.device.type != "cpu" or packed_linear.int8_gemm_exact() \
-                or not packed_linear.fbgemm_available():
-            return None
-        return ("int8 on a CPU without VNNI: exact W8A8 runs each activation row as two in fbgemm's int8 GEMM; "
-                "--quantization w7a8 (7-bit weight codes) runs it unsplit, about twice as fast at batch 16, "
-                "for a little more weight error (benchmarks/quantization.py reports both)")
+        return cpu_note(self.quantization) if self.device.type == "cpu" else None
 
     def _check_memory(self, engine_config: EngineConfig) -> None:
         """Fail before loading, with the numbers and what would fit, when the weights and a KV cache
         cannot fit the memory available (instead of being killed by the OOM killer mid-load)."""
         dtype = parse_dtype(self.dtype)
         world = self.parallel.world_size
-        weights = checkpoint_bytes(self.model_dir, dtype) // world
+        weights = self.weights.bytes_in(dtype) // world
         tokens = engine_config.max_model_len or engine_config.max_num_batched_tokens  # one sequence, or one step
         kv_min = engine_config.kv_cache_memory_bytes or bytes_per_block(self.model_config, 1, dtype) // world * tokens
         available = available_bytes(self.device) // (world if self.device.type == "cpu" else 1)
@@ -184,28 +177,28 @@ class LLM:
         plan.check(self.dtype, engine_config.kv_cache_memory_bytes is not None, options)
 
     def _pack_file(self, cache_dir: Path, quantization: str | None,
-                   lm_head_quantization: str | None) -> Callable[[list[Slot]], PackFile] | None:
-        """Where a compiled program's packed weights are kept between loads (`kiln.kernels.pack_cache`),
+                   lm_head_quantization: str | None) -> PackFileOpener | None:
+        """Where a compiled program's packed weights are kept between loads (`kiln.weights.pack_cache`),
         keyed by this checkpoint's contents, its quantization and this rank's shard; None off the CPU or where
         `$KILN_PACK_CACHE` is off."""
-        folder = pack_cache.folder_for(cache_dir)
-        if folder is None or self.device.type != "cpu":
+        if self.device.type != "cpu":
             return None
         identity = {"checkpoint": self.checkpoint_checksum, "dtype": self.dtype,
                     "quantization": quantization, "lm_head_quantization": lm_head_quantization,
                     "shard": [self.parallel.rank, self.parallel.world_size], "torch": torch.__version__,
                     "kiln_source": kiln_source_hash()}  # packing, loading and quantizing code
-        return functools.partial(PackFile, folder, identity)
+        return self.weights.pack_file(cache_dir, identity)
 
     def _compiled(self, cache_dir: Path, compile_config: CompileConfig, require_artifact: bool,
                   passes: Sequence[GraphPass]):
         """Load the artifact for this model and config; compile it first if it is absent or broken."""
-        from kiln.compiler import artifact  # imports Inductor's loader (~1.5 s): only when compiling
+        from kiln.compiler import artifact
+        from kiln.runtime import bind  # imports Inductor's loader: only for a compiled model
 
         factors = model_factors(self.model, compile_config, passes)
         path = self.artifact_path = cache_dir / cache_key(factors)
         try:
-            return artifact.load(path, self.model, release_weights=True, packs=self._packs, factors=factors)
+            return bind.load(path, self.model, release_weights=True, packs=self._packs, factors=factors)
         except artifact.ArtifactError as e:
             if require_artifact:
                 raise
@@ -215,7 +208,7 @@ class LLM:
 
         result = build_artifact(self.model, compile_config, cache_dir, passes=passes,
                                 model_name=Path(self.model_dir).name)
-        return artifact.load(result.path, self.model, release_weights=True, packs=self._packs)
+        return bind.load(result.path, self.model, release_weights=True, packs=self._packs)
 
     def generate(
         self,

@@ -15,15 +15,16 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.cli import main
-from kiln.compiler import artifact, panel_lowering
+from kiln.compiler import artifact
 from kiln.compiler.key import cache_key
-from kiln.kernels import pack_cache, packed_linear, panel_linear
+from kiln.kernels import cpp_lowering, packed_linear, panel_linear
+from kiln.weights import pack_cache
 from kiln.models.demo import write_demo_model
 from tests.cache_tools.test_commands import kiln_cache_cmd
 from tests.oracle import PROMPTS
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-needs_panels = pytest.mark.skipif(not panel_lowering.register() or panel_linear.available((32, 8), torch.float32),
+needs_panels = pytest.mark.skipif(not cpp_lowering.register() or panel_linear.available((32, 8), torch.float32),
                                   reason="kiln's panel GEMM (the packed-weights cache's user) is not available here")
 
 

@@ -10,7 +10,7 @@ the weights at the speed of a plain sum and doing nothing else.
 For each batch size B, B sequences of `--prompt-len` tokens are prefilled, then `--steps` decode steps
 are timed one by one (the median is reported): `ms_per_token` is a step's time, the latency each
 sequence sees per token, and `tokens_per_s` is B tokens over it. Timing starts once the packed
-weights are on huge pages, as a server's are after a moment idle (`kiln.kernels.huge_pages`), and
+weights are on huge pages, as a server's are after a moment idle (`kiln.weights.huge_pages`), and
 `huge_page_gb` says how much is there.
 """
 
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 BANDWIDTH_BYTES = 512 << 20
 HUGE_PAGES_WAIT_S = 60
-"""How long timing waits for the packed weights to reach huge pages (2.2-2.5 s a GB on a 2-core VM)."""
+"""How long timing waits for the packed weights to reach huge pages (seconds a GB on a 2-core VM)."""
 
 
 def read_bandwidth(repeats: int = 5) -> float:
@@ -36,7 +36,7 @@ def read_bandwidth(repeats: int = 5) -> float:
     huge pages where the packed weights go there too, so the floor does not count what they save."""
     import torch
 
-    from kiln.kernels import huge_pages
+    from kiln.weights import huge_pages
 
     x = huge_pages.empty((BANDWIDTH_BYTES // 4,), torch.float32).fill_(1.0)
     huge_pages.collapse_later(x)
@@ -55,7 +55,7 @@ def decode_weight_bytes(model, screened: bool = False) -> int:
     """The bytes of weights one decode step reads: every parameter but the embedding table (looked up
     by row), plus the LM head as it runs (int8 codes and scales for an int8 head, and for the copy a
     `GreedyScreen` reads for greedy tokens when `screened`)."""
-    from kiln.compiler.program import RELEASED
+    from kiln.weights.packing import RELEASED
 
     head = model.lm_head_weight()
     released = getattr(model, RELEASED, {})  # weights a compiled program reads packed only
@@ -118,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kiln import LLM
-    from kiln.kernels import huge_pages
+    from kiln.weights import huge_pages
 
     if args.steps < 1 or args.prompt_len < 1:
         raise KilnError("--steps and --prompt-len must be at least 1")

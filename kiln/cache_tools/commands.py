@@ -9,7 +9,7 @@ from tabulate import tabulate
 
 from kiln.cache_tools import dump, explain, prune, transfer
 from kiln.cache_tools.entries import Entry, find_entry, list_entries
-from kiln.cache_tools.units import format_size
+from kiln.units import format_size
 from kiln.cache_tools.verify import verify_entry
 from kiln.compiler import artifact
 

@@ -2,7 +2,7 @@
 cache fits a size. A key being compiled or loaded by a running process is never touched. Compiled
 pieces kept for reuse in `<cache>/pieces` age out the same way and, under a size limit, go first:
 they only speed up compiles. So do the packed weights kept in `<cache>/packed` for faster loads
-(`kiln.kernels.pack_cache`; a process that maps one keeps reading it once removed). (A piece or pack
+(`kiln.weights.pack_cache`; a process that maps one keeps reading it once removed). (A piece or pack
 cache moved elsewhere by `$KILN_PIECE_CACHE` or `$KILN_PACK_CACHE` is not this cache's to prune.)"""
 
 import logging
@@ -14,7 +14,7 @@ from pathlib import Path
 from kiln.cache_tools.entries import Entry, list_entries
 from kiln.compiler import artifact, usage
 from kiln.compiler.piece_cache import FOLDER, PieceCache
-from kiln.kernels import pack_cache
+from kiln.weights import pack_cache
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ class PruneReport:
     pieces_removed: int = 0
     pieces_freed_bytes: int = 0
     packed_removed: int = 0
-    """Files of packed weights removed (`kiln.kernels.pack_cache`); their bytes count in `pieces_freed_bytes`."""
+    """Files of packed weights removed (`kiln.weights.pack_cache`); their bytes count in `pieces_freed_bytes`."""
 
     @property
     def freed_bytes(self) -> int:

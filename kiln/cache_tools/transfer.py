@@ -15,7 +15,7 @@ import zlib
 from pathlib import Path, PurePosixPath
 
 from kiln.cache_tools.entries import KEY, Entry, read_entry
-from kiln.cache_tools.units import format_size
+from kiln.units import format_size
 from kiln.cache_tools.verify import verify_entry
 from kiln.compiler import artifact, usage
 from kiln.compiler.artifact import file_sha256

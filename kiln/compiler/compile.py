@@ -24,21 +24,22 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from tqdm import tqdm
 
-from kiln.compiler import artifact, head_library, kernel_library, usage
+from kiln.compiler import artifact, libraries, usage
 from kiln.compiler.aoti import CompiledLibrary, check_compilable, tensor_args
 from kiln.compiler.counters import counters
 from kiln.compiler.key import cache_key, model_factors
 from kiln.compiler.piece_cache import PieceCache, piece_cache_key
-from kiln.compiler.program import arg_names
+from kiln.compiler.contract import arg_names
 from kiln.compiler.split import Piece, split_graph, stitching_source
 from kiln.compiler.trace import TracedBackbone, trace_backbone
 from kiln.compiler.workers import CompileJob, compile_jobs, cpu_probe_done, probe_cpu_in_background
 from kiln.config import CompileConfig, dtype_name
-from kiln.kernels import panel_linear
+from kiln.kernels import gemms, panel_linear
 from kiln.models.llama import CausalLM
 from kiln.passes import GraphPass, PassManager, gemm_choice
 from kiln.passes.base import SizeRange
 from kiln.passes.manager import PassReport
+from kiln.runtime import bind
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +215,7 @@ def _on_cpu(traced: TracedBackbone) -> bool:
 
 
 def _weight_formats(traced: TracedBackbone, variant: VariantBuild) -> dict[str, str]:
-    """The weights a variant's projections read packed: weight name -> format (`packed_linear`)."""
+    """The weights a variant's projections read packed: weight name -> format (`kiln.kernels.gemms`)."""
     placeholders = [n.target for n in traced.graph.graph.find_nodes(op="placeholder")]
     names = {target: spec.name for target, spec in zip(placeholders, traced.inputs)}
     return {names[target]: fmt for target, fmt in variant.report.weight_formats.items()}
@@ -224,22 +225,40 @@ def _lm_head_choice(model: CausalLM, compile_config: CompileConfig) -> dict | No
     """On CPU, whether the LM head (outside the compiled graph) runs on a packed weight, and the int8
     GEMM its greedy screen runs: measured at the batch sizes it sees (one row per sequence sampled in
     a step). The screen is timed only where kiln's int8 panel GEMM can run it; elsewhere it runs on
-    the int8 GEMM the runtime picks (`lm_head.screen_kernel`)."""
+    the int8 GEMM the runtime picks (`gemms.int8_head_kernel`)."""
     weight = model.lm_head_weight()
     if not compile_config.passes.gemm_choice or weight.device.type != "cpu" or not weight.dtype.is_floating_point:
         return None
     tokens = tuple(sorted({1, min(gemm_choice.DECODE_TOKENS, compile_config.max_num_tokens)}))
     choice = gemm_choice.lm_head_choice(weight.detach(), tokens)
     logger.info("LM head %s: %s (%s)", list(weight.shape), choice.kernel, choice.ms)
-    head = {"format": None if choice.kernel == "aten" else choice.kernel, "choice": choice.as_dict(),
+    head = {"format": None if choice.kernel == gemms.ATEN.id else choice.kernel, "choice": choice.as_dict(),
             "screen": None, "screen_choice": None}
     screens = weight.dtype == torch.float32 and head["format"] is not None  # what `PackedHead` screens
     if screens and panel_linear.available(tuple(weight.shape), torch.int8) is None:  # else nothing to choose
         screen = gemm_choice.lm_head_screen_choice(tuple(weight.shape), tokens)
         logger.info("LM head's greedy screen: %s (%s)", screen.kernel, screen.ms)
-        head["screen"] = screen.kernel if screen.kernel in head_library.OPS else None
+        head["screen"] = screen.kernel if screen.kernel in libraries.HEAD_FORMATS else None
         head["screen_choice"] = screen.as_dict()
     return head
+
+
+def _build_libraries(model: CausalLM, lm_head: dict | None, pieces: PieceCache,
+                     timings: dict[str, float]) -> tuple[dict, dict]:
+    """The libraries the artifact ships beside its pieces: the panel GEMMs chosen for the LM head, and
+    kiln's kernels that run outside the pieces (`kiln.compiler.libraries`)."""
+    start = time.perf_counter()
+    formats = [lm_head[k] for k in ("format", "screen") if lm_head is not None and lm_head[k] in libraries.HEAD_FORMATS]
+    head = libraries.build_head(formats, tuple(model.lm_head_weight().shape), pieces) if formats else {}
+    kernels = []
+    if libraries.attention_wanted(next(model.parameters()).device, model.dtype):
+        kernels.append(libraries.DECODE_ATTENTION)
+    if libraries.screen_wanted(lm_head):
+        kernels.append(libraries.GREEDY_SCREEN)
+    built = libraries.build(kernels, pieces) if kernels else {}
+    if formats or kernels:
+        timings["compile"] += time.perf_counter() - start
+    return head, built
 
 
 @dataclass
@@ -328,7 +347,7 @@ def ship_triton_kernels(path: Path, model: CausalLM, block_size: int = 16) -> in
     from kiln.compiler import triton_cache
 
     start = time.perf_counter()
-    program = artifact.load(path, model)
+    program = bind.load(path, model)
     cfg, device = model.config, next(model.parameters()).device
     kv_caches = [torch.zeros(2, 4, block_size, model.layout.num_kv_heads, cfg.head_dim, dtype=model.dtype,
                              device=device) for _ in range(cfg.num_layers)]
@@ -346,6 +365,34 @@ def ship_triton_kernels(path: Path, model: CausalLM, block_size: int = 16) -> in
     logger.info("Triton kernels: %d built (%d compiled, the rest from Triton's cache) by %d warm-up batches, "
                 "%d files added to the artifact", len(recorder.builds), len(recorder.compiled), len(batches), files)
     return len(recorder.builds)
+
+
+def _trace(model: CausalLM, dump_dir: Path | None) -> TracedBackbone:
+    """The backbone traced, under depyf where a dump is asked for (it decompiles Dynamo's bytecode)."""
+    if dump_dir is None:
+        return trace_backbone(model)
+    import depyf
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # depyf's hints for interactive debugging
+        with depyf.prepare_debug(str(dump_dir)):
+            return trace_backbone(model)
+
+
+def _ship_triton_kernels_if_whole(path: Path, model: CausalLM, timings: dict[str, float]) -> None:
+    """A CUDA artifact's Triton kernels built into it; a failure leaves it whole, its kernels then
+    compiling at first launch."""
+    if model.layout.world_size > 1:
+        # running the program needs every rank in its collectives, and only this one holds the lock
+        logger.info("tensor-parallel artifact: its Triton kernels are not shipped, they compile at first launch")
+        return
+    start = time.perf_counter()
+    try:
+        ship_triton_kernels(path, model)
+    except Exception as e:  # the artifact is whole without them: its kernels then compile at first launch
+        logger.warning("could not build the Triton kernels into the artifact (%s: %s): a serve start will "
+                       "compile them", type(e).__name__, e)
+    timings["triton_kernels"] = time.perf_counter() - start
 
 
 def build_artifact(
@@ -387,15 +434,7 @@ def build_artifact(
         if next(model.parameters()).device.type == "cpu":
             probe_cpu_in_background()
         start = time.perf_counter()
-        if dump_dir is not None:
-            import depyf
-
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # depyf's hints for interactive debugging
-                with depyf.prepare_debug(str(dump_dir)):
-                    traced = trace_backbone(model)
-        else:
-            traced = trace_backbone(model)
+        traced = _trace(model, dump_dir)
         timings["trace"] = time.perf_counter() - start
         debug = {"dynamo/decompiled.py": traced.decompiled, "dynamo/graph.py": traced.dynamo_graph}
         pieces = PieceCache.for_cache_dir(cache_dir, read=not force)
@@ -403,22 +442,7 @@ def build_artifact(
         start = time.perf_counter()
         lm_head = _lm_head_choice(model, compile_config)
         timings["gemm_choice"] = timings.get("gemm_choice", 0.0) + time.perf_counter() - start
-        formats = [lm_head[k] for k in ("format", "screen") if lm_head is not None and lm_head[k] in head_library.OPS]
-        head_libraries = {}
-        if formats:  # the panel GEMMs chosen for the LM head, built to ship
-            start = time.perf_counter()
-            head_libraries = head_library.build(formats, tuple(model.lm_head_weight().shape), pieces)
-            timings["compile"] += time.perf_counter() - start
-        kernels = []
-        if kernel_library.attention_wanted(next(model.parameters()).device, model.dtype):
-            kernels.append(kernel_library.DECODE_ATTENTION)
-        if kernel_library.screen_wanted(lm_head):
-            kernels.append(kernel_library.GREEDY_SCREEN)
-        libraries = {}
-        if kernels:  # kiln's kernels that run outside the pieces, built to ship
-            start = time.perf_counter()
-            libraries = kernel_library.build(kernels, pieces)
-            timings["compile"] += time.perf_counter() - start
+        head_libraries, kernel_libraries = _build_libraries(model, lm_head, pieces, timings)
         if dump_dir is not None:
             for rel, text in debug.items():
                 (Path(dump_dir) / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -438,7 +462,7 @@ def build_artifact(
                       for v in variants],
             debug=debug,
             head_libraries=head_libraries,
-            libraries=libraries,
+            libraries=kernel_libraries,
             info={
                 "timings": timings,
                 "counters": dict(counters - before),
@@ -449,18 +473,8 @@ def build_artifact(
             },
         )
         timings["save"] = time.perf_counter() - start
-        on_cuda = next(model.parameters()).device.type == "cuda"
-        if on_cuda and model.layout.world_size > 1:
-            # running the program needs every rank in its collectives, and only this one holds the lock
-            logger.info("tensor-parallel artifact: its Triton kernels are not shipped, they compile at first launch")
-        elif on_cuda:
-            start = time.perf_counter()
-            try:
-                ship_triton_kernels(path, model)
-            except Exception as e:  # the artifact is whole without them: its kernels then compile at first launch
-                logger.warning("could not build the Triton kernels into the artifact (%s: %s): a serve start will "
-                               "compile them", type(e).__name__, e)
-            timings["triton_kernels"] = time.perf_counter() - start
+        if next(model.parameters()).device.type == "cuda":
+            _ship_triton_kernels_if_whole(path, model, timings)
     logger.info("compile stages: %s", ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
     matches = artifact.pass_matches(artifact.read_manifest(path))  # the table `kiln compile` prints, as saved
     return CompileResult(path, reused=False, timings=timings, pass_matches=matches)

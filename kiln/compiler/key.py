@@ -23,18 +23,24 @@ from kiln.passes import GraphPass, PassManager
 
 # The parts of kiln whose source shapes the traced graph or its compilation.
 SOURCE_PARTS = ("kernels", "models", "compiler", "passes", "config.py")
+# Their files that do: Python, and the C++ of kiln's kernels (kernels/csrc), which compiles into the pieces.
+SOURCE_SUFFIXES = (".py", ".cpp", ".h")
 # ModelConfig fields that do not reach the graph.
 NOT_IN_GRAPH = ("eos_token_ids", "dtype")  # the checkpoint dtype; the one run in is a factor of its own
 
 
 @cache
 def kiln_source_hash() -> str:
-    """sha256 over the kiln sources that shape compiled code (editing a pass or a kernel rekeys)."""
+    """sha256 over the kiln sources that shape compiled code (editing a pass or a kernel, its C++ too, rekeys)."""
     root = Path(kiln.__file__).parent
     h = hashlib.sha256()
     for part in SOURCE_PARTS:
         path = root / part
-        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path] if path.is_file() else []:
+        if path.is_dir():
+            files = sorted(f for f in path.rglob("*") if f.suffix in SOURCE_SUFFIXES)
+        else:
+            files = [path] if path.is_file() else []
+        for f in files:
             h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
 

@@ -16,7 +16,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from kiln.compiler.counters import counters
-from kiln.compiler.program import GraphInput
+from kiln.compiler.contract import GraphInput
 from kiln.kernels import AttentionMetadata
 from kiln.models.llama import CausalLM
 

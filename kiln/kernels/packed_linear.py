@@ -1,23 +1,19 @@
-"""Projections on weights packed once at load time into the layout a CPU kernel wants: oneDNN's
-blocked float GEMM, its int8 GEMM (VNNI or AMX where the CPU has them), fbgemm's int8 GEMM (fast
-on AVX2 CPUs without VNNI, made exact there by splitting the activations, or by 7-bit weight codes),
-and kiln's own fp32 and int8 panel GEMMs for decode batches (`kiln.kernels.panel_linear`).
+"""Projections on weights packed once at load time into the layout a library's kernel wants: oneDNN's
+blocked float GEMM, its int8 GEMM (VNNI or AMX where the CPU has them), and fbgemm's int8 GEMM (fast
+on AVX2 CPUs without VNNI, made exact there by splitting the activations, or by 7-bit weight codes).
+kiln's own panel GEMMs are `kiln.kernels.panel_linear`; `kiln.kernels.gemms` lists them all.
 
 The artifact stays independent of the weights: a compiled graph calls these ops on a weight input,
-the manifest records which weights take which format, and the runtime packs them (`pack`) when it
-binds the program to a model. Which projections use them is measured at compile time
+the manifest records which weights take which format, and the runtime packs them (`gemms.pack`) when
+it binds the program to a model. Which projections use them is measured at compile time
 (`kiln.passes.gemm_choice`). A packed weight is an opaque oneDNN tensor of the weight's shape and
 dtype; each op also accepts the plain [N, K] weight, so the ops have a reference on any input.
 """
 
 import functools
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
-
-from kiln.kernels import panel_linear
 
 ops = torch.ops.kiln
 
@@ -25,24 +21,18 @@ INT8_ZERO_POINT = 128
 """oneDNN's int8 GEMM takes unsigned activations: kiln's int8 codes are passed shifted by 128."""
 
 
-@dataclass(frozen=True)
-class WeightFormat:
-    """How a weight is stored for its kernel: `pack` makes it from the weight as loaded."""
-
-    name: str
-    pack: Callable[[torch.Tensor], torch.Tensor]
-    about: str
-
-
-def _onednn_float(w: torch.Tensor) -> torch.Tensor:
+def pack_onednn(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] fp32/bf16 -> oneDNN's blocked layout, for `onednn_linear`."""
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
 
 
-def _onednn_int8(w: torch.Tensor) -> torch.Tensor:
+def pack_onednn_int8(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 codes -> oneDNN's int8 layout, for `onednn_int8_linear`."""
     return torch.ops.onednn.qlinear_prepack(w.contiguous(), None)
 
 
-def _onednn_fp8_widened(w: torch.Tensor) -> torch.Tensor:
+def pack_onednn_widened(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] fp8 codes widened to fp32 once, in oneDNN's blocked layout, for `onednn_linear`."""
     return torch.ops.mkldnn._reorder_linear_weight(w.float())
 
 
@@ -59,7 +49,7 @@ runs them directly, on half the rows of the split."""
 W7A8_ZERO_POINT = 128
 
 
-def _fbgemm_int8(w: torch.Tensor) -> torch.Tensor:
+def pack_fbgemm(w: torch.Tensor) -> torch.Tensor:
     """An [N, K] handle (one byte, broadcast) carrying fbgemm's packed weight: the compiled graph
     passes tensors only, and hands this one to `kiln::fbgemm_rows_linear` untouched."""
     handle = torch.zeros((), dtype=torch.int8).expand(w.shape)
@@ -80,43 +70,14 @@ def _fbgemm_prepack(w: torch.Tensor):
         torch.backends.quantized.engine = engine
 
 
-FORMATS = {f.name: f for f in (
-    WeightFormat("onednn", _onednn_float, "oneDNN blocked layout (fp32/bf16), for kiln::onednn_linear"),
-    WeightFormat("onednn_int8", _onednn_int8, "oneDNN int8 layout, for kiln::onednn_int8_linear"),
-    WeightFormat("fbgemm_int8", _fbgemm_int8, "fbgemm's packed int8 weight, for fbgemm_int8_linear"),
-    WeightFormat("fbgemm_w7a8", _fbgemm_int8, "fbgemm's packed weight of 7-bit codes, for fbgemm_w7a8_linear"),
-    WeightFormat("onednn_fp8_as_fp32", _onednn_fp8_widened,
-                 "fp8 codes widened to fp32 once, oneDNN blocked layout, for kiln::onednn_linear"),
-    WeightFormat("panels16", panel_linear.pack, "fp32 in panels of 16 output channels, for kiln::panel_linear"),
-    WeightFormat("panels16_int8", panel_linear.pack_int8,
-                 "int8 in panels of 16 output channels, codes + 128, for kiln::panel_int8_linear"),
-)}
-
-
-PLAIN_FORMATS = {"panels16": panel_linear.pack, "panels16_int8": panel_linear.pack_int8}
-"""The formats whose packed weight is a plain tensor of the weight's shape and dtype, which `pack` can
-write into memory given to it (`kiln.kernels.pack_cache` gives a file's)."""
-
-
-def pack(format_name: str, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`weight` [N, K] as loaded -> the tensor a compiled graph passes to the format's kernel; written
-    into `out` (contiguous, of the weight's shape and dtype) if given, for a format in PLAIN_FORMATS."""
-    with torch.no_grad():
-        if out is None:
-            return FORMATS[format_name].pack(weight.detach())
-        if format_name not in PLAIN_FORMATS:
-            raise ValueError(f"weight format {format_name!r} packs into memory of its own, not into `out`")
-        return PLAIN_FORMATS[format_name](weight.detach(), out=out)
-
-
 def is_packed(weight: torch.Tensor) -> bool:
     return weight.layout == torch._mkldnn or hasattr(weight, "fbgemm_packed")
 
 
 @torch.library.custom_op("kiln::onednn_linear", mutates_args=())
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight.T (+ bias), in x's dtype, with `weight` [N, K] packed by the "onednn"
-    (or "onednn_fp8_as_fp32") format or plain."""
+    """x [M, K] @ weight.T (+ bias), in x's dtype, with `weight` [N, K] packed by `pack_onednn` (or
+    `pack_onednn_widened`) or plain."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -133,11 +94,11 @@ _ONES: dict[int, torch.Tensor] = {}
 def onednn_int8_linear(a_shifted: torch.Tensor, weight: torch.Tensor,
                        weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """(a - 128) @ weight.T in fp32, accumulated in int32: `a_shifted` [M, K] uint8 holds int8
-    activation codes plus 128 (what oneDNN's u8 x s8 GEMM takes), `weight` [N, K] int8 is packed by the
-    "onednn_int8" format or plain. Without `weight_scale` the numbers are `torch._int_mm`'s (the caller
+    activation codes plus 128 (what oneDNN's u8 x s8 GEMM takes), `weight` [N, K] int8 is packed by
+    `pack_onednn_int8` or plain. Without `weight_scale` the numbers are `torch._int_mm`'s (the caller
     scales them); with it ([N] fp32), each output channel is scaled in oneDNN's epilogue."""
     if not is_packed(weight):  # oneDNN reads only its own layout (a plain weight crashes it): pack for this call
-        weight = pack("onednn_int8", weight)
+        weight = pack_onednn_int8(weight)
     if weight_scale is None:
         n = weight.shape[1]  # packed as [K, N]
         if n not in _ONES:
@@ -169,7 +130,7 @@ def join_int8(out: torch.Tensor) -> torch.Tensor:
 def fbgemm_rows_linear(rows: torch.Tensor, weight: torch.Tensor,
                        zero_point: int = FBGEMM_ZERO_POINT) -> torch.Tensor:
     """rows @ weight.T in fp32 from int32 sums: `rows` [R, K] fp32 holds integers that fbgemm takes as
-    unsigned codes `rows + zero_point`, `weight` [N, K] int8 is packed by an fbgemm format or plain.
+    unsigned codes `rows + zero_point`, `weight` [N, K] int8 is packed by `pack_fbgemm` or plain.
     Exact for rows in [-64, 63] at the default zero point (`split_int8`: the compiled graph splits and
     joins around it, where Inductor fuses both into the loops beside), and for int8 rows at
     W7A8_ZERO_POINT when every weight code is within W7A8_MAX."""
@@ -210,7 +171,7 @@ def fbgemm_available() -> bool:
     try:
         a = torch.tensor([[127, -127, 3]], dtype=torch.int8)
         w = torch.tensor([[127, 127, -5], [-127, 1, 0]], dtype=torch.int8)
-        return torch.equal(fbgemm_int8_linear(a, pack("fbgemm_int8", w)), a.float() @ w.float().t())
+        return torch.equal(fbgemm_int8_linear(a, pack_fbgemm(w)), a.float() @ w.float().t())
     except (RuntimeError, AttributeError):
         return False
 
@@ -235,7 +196,7 @@ def int8_gemm_exact(weight_max: int = 127) -> bool:
     w[::3] = -weight_max
     w[1::3, 1::2] = weight_max - 1  # odd and even codes: a kernel that halves the weights rounds one of them
     try:
-        out = onednn_int8_linear(shift_int8(a), pack("onednn_int8", w))
+        out = onednn_int8_linear(shift_int8(a), pack_onednn_int8(w))
     except RuntimeError:
         return False
     return torch.equal(out.double(), a.double() @ w.double().t())

@@ -1,12 +1,19 @@
 """ModelConfig: the one normalized view of a Hugging Face config.json that kiln's models read."""
 
+import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from kiln.config import DTYPES
 from kiln.errors import KilnError
 from kiln.models.compressed_tensors import CheckpointQuantization, parse_quantization_config
+from kiln.weights.safetensors_file import SafetensorsFile, checkpoint_files
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -127,11 +134,30 @@ class ModelConfig:
             config = cls.from_hf(hf)
         except KeyError as e:
             raise KilnError(f"{path} lacks required field {e.args[0]!r}") from None
-        from kiln.models.loader import untie_stored_lm_head  # the loader imports the model, which imports this
-
         return untie_stored_lm_head(config, Path(model_dir))
 
 
 def _dtype_name(value) -> str | None:
     """config.json's dtype ("bfloat16", or "torch.bfloat16" as some writers put it)."""
     return value.removeprefix("torch.") if isinstance(value, str) else None
+
+
+def untie_stored_lm_head(config: ModelConfig, model_dir: Path) -> ModelConfig:
+    """`config`, untied when it says `tie_word_embeddings` but the checkpoint stores an `lm_head.weight`
+    that differs from the embedding: that weight is the output projection, as transformers loads such
+    a checkpoint (a copy equal to the embedding stays tied, one matrix in memory)."""
+    if not config.tie_word_embeddings or not any(model_dir.glob("*.safetensors")):
+        return config
+    found: dict[str, Path] = {}
+    for path in checkpoint_files(model_dir):
+        with SafetensorsFile(path) as f:
+            found.update({name: path for name in ("lm_head.weight", "model.embed_tokens.weight") if name in f})
+    if len(found) < 2:
+        return config
+    with SafetensorsFile(found["lm_head.weight"]) as head, SafetensorsFile(found["model.embed_tokens.weight"]) as emb:
+        same = torch.equal(head.tensor("lm_head.weight"), emb.tensor("model.embed_tokens.weight"))
+    if same:
+        return config
+    logger.warning("%s: config.json says tie_word_embeddings, but the checkpoint stores an lm_head.weight of its "
+                   "own: kiln uses it, as transformers does (set tie_word_embeddings=false to silence this)", model_dir)
+    return dataclasses.replace(config, tie_word_embeddings=False)

@@ -21,28 +21,29 @@ import torch
 
 from kiln.config import LM_HEAD_QUANTIZATIONS
 from kiln.errors import KilnError
-from kiln.kernels import greedy_screen, huge_pages, packed_linear, panel_linear, quantize_weight
+from kiln.kernels import gemms, greedy_screen, packed_linear, panel_linear, quantize_weight
 from kiln.models.quantization import SCHEMES
+from kiln.weights import huge_pages
+from kiln.weights.formats import pack as pack_format
 
 logger = logging.getLogger(__name__)
 ops = torch.ops.kiln
 
-_FBGEMM = ("fbgemm_int8", "fbgemm_w7a8")
+_FBGEMM = (gemms.FBGEMM_INT8.id, gemms.FBGEMM_W7A8.id)
+_ONEDNN, _PANELS, _ONEDNN_INT8, _PANELS_INT8 = (c.id for c in (gemms.ONEDNN, gemms.PANELS16, gemms.ONEDNN_INT8,
+                                                          gemms.PANELS16_INT8))
 FBGEMM_PACK_ROWS = 40_000
-"""fbgemm packs a weight of many more rows than this slower per row (measured: 2.4 s for Qwen2.5's
-151936 x 896 head whole, 1.0 s in four blocks): an int8 head on fbgemm is packed, and runs, in blocks
-of at most this many rows, packed concurrently."""
+"""fbgemm packs a weight of many more rows than this slower per row (a large vocabulary's head packs
+about twice as fast in blocks): an int8 head on fbgemm is packed, and runs, in blocks of at most this
+many rows, packed concurrently."""
 
 
 def int8_kernel(seven_bit: bool = False) -> str | None:
     """The int8 GEMM an LM head runs on this CPU: oneDNN's where it is exact (VNNI or AMX), else
     fbgemm's (on 7-bit weight codes as they are, on 8-bit ones through split rows); None where
-    neither is."""
-    if packed_linear.int8_gemm_exact():
-        return "onednn_int8"
-    if not packed_linear.fbgemm_available():
-        return None
-    return "fbgemm_w7a8" if seven_bit else "fbgemm_int8"
+    neither is (`gemms.int8_head_kernel`)."""
+    kernel = gemms.int8_head_kernel(seven_bit)
+    return kernel.id if kernel is not None else None
 
 
 def screen_kernel() -> str | None:
@@ -53,35 +54,35 @@ def screen_kernel() -> str | None:
 
 HeadGemm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """gemm(x, packed weight) -> [rows, vocab] fp32: a panel GEMM (`kiln.kernels.panel_linear`) as the
-artifact ships it for the head (`kiln.compiler.head_library`), or as a compile times it."""
+artifact ships it for the head (`kiln.compiler.libraries`), or as a compile times it."""
 Packer = Callable[[str, torch.Tensor], torch.Tensor]
-"""packer(format, weight) -> the packed weight: `packed_linear.pack`, or a cache's (`kiln.kernels.pack_cache`)."""
+"""packer(format, weight) -> the packed weight: `kiln.weights.formats.pack`, or a cache's (`kiln.weights.pack_cache`)."""
 ScreenLibrary = Callable[..., list[torch.Tensor]]
-"""The greedy screen's library (`kiln.kernels.greedy_screen`, shipped by `kiln.compiler.kernel_library`):
+"""The greedy screen's library (`kiln.kernels.greedy_screen`, shipped by `kiln.compiler.libraries`):
 (hidden, codes, scales, weight, params) -> [tokens]."""
 
 
 class PackedHead:
-    """hidden @ weight.T with the weight packed once in `format` (`kiln.kernels.packed_linear`): on
-    oneDNN, or for "panels16" on `gemm`, kiln's panel GEMM.
+    """hidden @ weight.T with the weight packed once in `format` (`kiln.kernels.gemms`): on oneDNN,
+    or for the panel format on `gemm`, kiln's panel GEMM.
 
     `screen` (default: an fp32 weight on a CPU with an exact int8 GEMM, `screen_kernel`) gives it a
-    `GreedyScreen`, built on the first greedy call (0.64 s for Qwen2.5's head, measured once): a start
+    `GreedyScreen`, built on the first greedy call: a start
     does not wait for it, and a process that only samples never holds it. `pending_bytes` is what it
     will take until then. `screen_gemm` (the int8 panel GEMM) runs the screen where given, and
     `screen_library` (`kiln.kernels.greedy_screen`'s) the whole screen on it."""
 
-    def __init__(self, weight: torch.Tensor, format: str = "onednn", screen: bool | None = None,
+    def __init__(self, weight: torch.Tensor, format: str = _ONEDNN, screen: bool | None = None,
                  gemm: HeadGemm | None = None, screen_gemm: HeadGemm | None = None,
                  screen_library: ScreenLibrary | None = None, packer: Packer | None = None):
-        if (format == "panels16") != (gemm is not None):
+        if (format == _PANELS) != (gemm is not None):
             raise KilnError(f"an LM head packed as {format!r} runs on {'a' if gemm is None else 'no'} panel GEMM "
-                            "library: pass `gemm` with \"panels16\" only")
-        self.weight = (packer or packed_linear.pack)(format, weight)
+                            f"library: pass `gemm` with {_PANELS!r} only")
+        self.weight = (packer or pack_format)(format, weight)
         self.gemm = gemm
         if screen is None:
-            screen = format in ("onednn", "panels16") and weight.dtype == torch.float32 and weight.device.type == "cpu"
-        self.screen_kernel = ("panels16_int8" if screen_gemm is not None else screen_kernel()) if screen else None
+            screen = format in (_ONEDNN, _PANELS) and weight.dtype == torch.float32 and weight.device.type == "cpu"
+        self.screen_kernel = (_PANELS_INT8 if screen_gemm is not None else screen_kernel()) if screen else None
         self.screen: GreedyScreen | None = None
         self._screen_gemm, self._screen_fused = screen_gemm, screen_library
         self._plain = weight if self.screen_kernel else None  # the weight the screen is built from, until it is
@@ -154,13 +155,13 @@ class GreedyScreen:
     On the int8 panel GEMM, an artifact's `kiln.kernels.greedy_screen` library runs all of this as one
     kernel (`fused`), row by row; the torch ops here are its fallback elsewhere."""
 
-    def __init__(self, weight: torch.Tensor, kernel: str = "onednn_int8", gemm: HeadGemm | None = None,
+    def __init__(self, weight: torch.Tensor, kernel: str = _ONEDNN_INT8, gemm: HeadGemm | None = None,
                  fused: ScreenLibrary | None = None):
-        """`kernel`: the int8 GEMM's weight format; "panels16_int8" runs on `gemm`, and its blocks are
+        """`kernel`: the int8 GEMM's weight format; the int8 panel format runs on `gemm`, and its blocks are
         packed into one weight, which `fused` (the screen as one kernel) reads where given."""
-        if (kernel == "panels16_int8") != (gemm is not None) or fused is not None and gemm is None:
+        if (kernel == _PANELS_INT8) != (gemm is not None) or fused is not None and gemm is None:
             raise KilnError(f"a greedy screen on {kernel!r} runs on {'a' if gemm is None else 'no'} panel GEMM "
-                            "library: pass `gemm` with \"panels16_int8\" only")
+                            f"library: pass `gemm` with {_PANELS_INT8!r} only")
         vocab, k = weight.shape
         if gemm is not None and (vocab % panel_linear.PANEL or SCREEN_PACK_ROWS % panel_linear.PANEL):
             raise KilnError(f"a vocabulary of {vocab} is not whole panels of {panel_linear.PANEL} rows: the screen "
@@ -168,7 +169,7 @@ class GreedyScreen:
         self.weight = weight.detach()  # the fp32 rows candidates are computed from (the model keeps them)
         self.kernel, self.gemm = kernel, gemm
         self.gamma = (k + 1) * UNIT_ROUNDOFF / (1 - (k + 1) * UNIT_ROUNDOFF)
-        weight_max = packed_linear.W7A8_MAX if kernel == "fbgemm_w7a8" else None
+        weight_max = packed_linear.W7A8_MAX if kernel == gemms.FBGEMM_W7A8.id else None
         panels = huge_pages.empty(weight.shape, torch.int8) if gemm is not None else None
         self.blocks, self.scales, norms = [], [], torch.zeros(3)
         for start in range(0, vocab, SCREEN_PACK_ROWS):
@@ -177,7 +178,7 @@ class GreedyScreen:
             if panels is not None:  # a block of whole panels: the packed rows are the block's
                 panel_linear.pack_int8(codes, out=panels[start:start + len(rows)])
             else:
-                self.blocks.append(packed_linear.pack(kernel, codes))
+                self.blocks.append(pack_format(kernel, codes))
             self.scales.append(scale)
             norms = torch.maximum(norms, self._norms(rows, codes, scale))
         if panels is not None:
@@ -203,7 +204,7 @@ class GreedyScreen:
         """[rows, K] int8 codes -> [rows, vocab] fp32 t_i (q . c_i)."""
         if self.gemm is not None:
             return self.gemm(codes, self.blocks[0]).mul_(self.scales[0])
-        if self.kernel == "onednn_int8":
+        if self.kernel == _ONEDNN_INT8:
             a = packed_linear.shift_int8(codes)
             outs = [ops.onednn_int8_linear(a, block, scale) for block, scale in zip(self.blocks, self.scales)]
         else:
@@ -310,32 +311,32 @@ class Int8Head:
             count = -(-codes.shape[0] // FBGEMM_PACK_ROWS)
             blocks = codes.split(-(-codes.shape[0] // count))
             with ThreadPoolExecutor(torch.get_num_threads()) as pool:  # packing a block uses one thread
-                self.codes = list(pool.map(functools.partial(packed_linear.pack, self.kernel), blocks))
+                self.codes = list(pool.map(functools.partial(pack_format, self.kernel), blocks))
         elif self.kernel:
-            self.codes = packed_linear.pack(self.kernel, codes)
+            self.codes = pack_format(self.kernel, codes)
 
     def run_on_panels(self, gemm: HeadGemm, packer: Packer | None = None) -> bool:
-        """Run on an artifact's int8 panel GEMM (`gemm`, "panels16_int8"), which streams the head faster
+        """Run on an artifact's int8 panel GEMM (`gemm`, the int8 panel format), which streams the head faster
         than oneDNN's int8 GEMM on one row: the plain codes packed in panels (by `packer`, default
-        `packed_linear.pack`). False, and nothing changed, where the head is packed already or its
+        `kiln.weights.formats.pack`). False, and nothing changed, where the head is packed already or its
         shape has no panels."""
         if self.packed or self.codes.device.type != "cpu" or self.codes.shape[0] % panel_linear.PANEL \
                 or self.codes.shape[1] % 4:
             return False
-        self.codes, self.kernel, self.gemm = (packer or packed_linear.pack)("panels16_int8", self.codes), \
-            "panels16_int8", gemm
+        self.codes, self.kernel, self.gemm = (packer or pack_format)(_PANELS_INT8, self.codes), \
+            _PANELS_INT8, gemm
         self.packed = True
         return True
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         self.pack()
         a, a_scale = ops.quant_int8(hidden, None)
-        if self.kernel == "panels16_int8":
+        if self.kernel == _PANELS_INT8:
             return self.gemm(a, self.codes).mul_(self.scale).mul_(a_scale)
-        if self.kernel == "onednn_int8":
+        if self.kernel == _ONEDNN_INT8:
             return ops.onednn_int8_linear(packed_linear.shift_int8(a), self.codes, self.scale).mul_(a_scale)
         if self.kernel in _FBGEMM:
-            linear = packed_linear.fbgemm_w7a8_linear if self.kernel == "fbgemm_w7a8" else \
+            linear = packed_linear.fbgemm_w7a8_linear if self.kernel == gemms.FBGEMM_W7A8.id else \
                 packed_linear.fbgemm_int8_linear
             outs = [linear(a, block) for block in self.codes]
             return (torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]).mul_(a_scale).mul_(self.scale)

@@ -41,6 +41,16 @@ def check_scheme(name: str | None) -> str | None:
     return name
 
 
+def cpu_note(scheme: str | None) -> str | None:
+    """For the start-up lines on a CPU: where int8's GEMM is exact only split (no VNNI), that w7a8 is
+    the faster int8 there; None where that does not apply."""
+    if scheme != "int8" or packed_linear.int8_gemm_exact() or not packed_linear.fbgemm_available():
+        return None
+    return ("int8 on a CPU without VNNI: exact W8A8 runs each activation row as two in fbgemm's int8 GEMM; "
+            "--quantization w7a8 (7-bit weight codes) runs it unsplit, about twice as fast at batch 16, "
+            "for a little more weight error (benchmarks/quantization.py reports both)")
+
+
 class QuantLinear(nn.Module):
     """y = quant(x) @ W_q.T * scales + bias, in the dtype of x. `weight` [N, K] is int8 or fp8,
     `weight_scale` [N] fp32; `input_scale` (static per-tensor activations) is None for per-token."""

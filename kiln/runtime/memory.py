@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.cache_tools.units import format_size
+from kiln.units import format_size
 from kiln.errors import KilnError
 from kiln.models.config import ModelConfig
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.cache_tools.units import parse_age, parse_size
+from kiln.units import parse_age, parse_size
 from kiln.cli import main
 from kiln.compiler import artifact, usage
 from kiln.compiler.key import cache_key, model_factors

@@ -21,6 +21,7 @@ from kiln.compiler.key import cache_key, key_factors
 from kiln.config import CompileConfig
 from kiln.models.config import ModelConfig
 from kiln.passes.gemm_choice import measured_tokens
+from kiln.runtime import bind
 from tests.oracle import PROMPTS
 from tests.processes import bare_env
 
@@ -349,7 +350,7 @@ def test_generate_cli_runs_the_artifact(demo_dirs, kiln_cache, llama_artifact, c
 
 def test_artifact_refuses_a_model_it_was_not_built_for(demo_dirs, llama_artifact):
     with pytest.raises(artifact.ArtifactError, match="expects weight model.embed_tokens.weight .* the model has"):
-        artifact.load(llama_artifact, LLM(demo_dirs["qwen2"]).model)
+        bind.load(llama_artifact, LLM(demo_dirs["qwen2"]).model)
 
 
 def test_an_artifact_named_by_path_runs_without_a_key_lookup(demo_dirs, llama_artifact, tmp_path):

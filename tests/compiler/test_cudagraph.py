@@ -6,7 +6,7 @@ import contextlib
 import pytest
 import torch
 
-from kiln.compiler.cudagraph import GraphedPiece, default_capture_sizes, pad_tokens, padded_size
+from kiln.runtime.cudagraph import GraphedPiece, default_capture_sizes, pad_tokens, padded_size
 from kiln.errors import KilnError
 
 

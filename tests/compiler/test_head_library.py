@@ -5,20 +5,20 @@ numbers at any row count; a second build of the same head comes from the piece c
 import pytest
 import torch
 
-from kiln.compiler import head_library, panel_lowering, workers
+from kiln.compiler import libraries, workers
 from kiln.compiler.aoti import LoadedLibrary
 from kiln.compiler.piece_cache import PieceCache
-from kiln.kernels import panel_linear
+from kiln.kernels import cpp_lowering, panel_linear
 from tests.compiler.test_panel_lowering import _codes
 
 pytestmark = pytest.mark.skipif(
-    not panel_lowering.register() or panel_linear.available((96, 40), torch.int8) is not None,
+    not cpp_lowering.register() or panel_linear.available((96, 40), torch.int8) is not None,
     reason="kiln's panel GEMMs are not available on this CPU and torch (the int8 one needs AVX512-VNNI)")
 
 
 def test_head_libraries_run_the_panel_gemms_at_any_row_count(tmp_path, monkeypatch):
     cache = PieceCache(tmp_path / "pieces")
-    built = head_library.build(["panels16", "panels16_int8"], (96, 40), cache)
+    built = libraries.build_head(["panels16", "panels16_int8"], (96, 40), cache)
     assert sorted(built) == ["panels16", "panels16_int8"]
     for format, compiled in built.items():
         assert compiled.calls is None  # the kernel is in the library, not a proxy call
@@ -35,5 +35,5 @@ def test_head_libraries_run_the_panel_gemms_at_any_row_count(tmp_path, monkeypat
         assert torch.equal(out, torch._int_mm(a, codes.t()).float())
     monkeypatch.setattr(workers, "compile_jobs",
                         lambda jobs, names=None: pytest.fail("compiled again") if jobs else iter(()))
-    again = head_library.build(["panels16_int8"], (96, 40), cache)
+    again = libraries.build_head(["panels16_int8"], (96, 40), cache)
     assert again["panels16_int8"].library == built["panels16_int8"].library

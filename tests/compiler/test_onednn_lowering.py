@@ -7,10 +7,9 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-from kiln.compiler import onednn_lowering
 from kiln.compiler.aoti import LoadedLibrary, compile_library, tensor_args
 from kiln.compiler.compile import normalize
-from kiln.kernels import packed_linear
+from kiln.kernels import gemms, onednn_lowering, packed_linear
 
 ops = torch.ops.kiln
 pytestmark = pytest.mark.skipif(not onednn_lowering.register(), reason="this torch cannot lower oneDNN linears")
@@ -41,7 +40,7 @@ def test_float_projection_calls_onednn_from_cpp(tmp_path):
     w1, w2 = torch.randn(48, 32), torch.randn(24, 48)
     run, source = _library(fn, [torch.randn(5, 32), w1, w2], tmp_path)
     assert source.count("aoti_torch_cpu__linear_pointwise(") == 2
-    packed = [packed_linear.pack("onednn", w) for w in (w1, w2)]
+    packed = [gemms.pack("onednn", w) for w in (w1, w2)]
     for rows in (1, 7, 40):
         x = torch.randn(rows, 32)
         [out] = run(x, *packed)
@@ -57,7 +56,7 @@ def test_int8_projection_calls_onednn_from_cpp(tmp_path):
     w = torch.randint(-127, 128, (40, 64), dtype=torch.int8)
     run, source = _library(fn, [torch.randint(-127, 128, (5, 64), dtype=torch.int8), w], tmp_path)
     assert source.count("aoti_torch_cpu__qlinear_pointwise_tensor(") == 1
-    packed = packed_linear.pack("onednn_int8", w)
+    packed = gemms.pack("onednn_int8", w)
     for rows in (1, 9, 33):
         a = torch.randint(-127, 128, (rows, 64), dtype=torch.int8)
         [out] = run(a, packed)

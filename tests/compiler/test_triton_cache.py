@@ -197,7 +197,8 @@ def test_ship_triton_kernels_runs_the_artifact_and_pins_what_it_built(demo_dirs,
 def test_warm_up_runs_every_variant_itself_at_small_positions():
     """A static size must not take the batches meant for the range it sits in (each variant may
     launch its own kernels), and a prefill at a range's lower bound keeps its positions small."""
-    from kiln.compiler.program import ByTokenCount, CompiledProgram, GraphInput
+    from kiln.compiler.contract import GraphInput
+    from kiln.runtime.program import ByTokenCount, CompiledProgram
 
     seen = []
 

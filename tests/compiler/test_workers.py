@@ -185,7 +185,7 @@ def test_demo_compiles_whole_beside_busy_threads(monkeypatch, tmp_path, caplog):
     from kiln.compiler.compile import _token_symbol, compile_pieces
     from kiln.compiler.split import split_graph
     from kiln.compiler.trace import trace_backbone
-    from kiln.kernels import huge_pages
+    from kiln.weights import huge_pages
     from kiln.models.demo import write_demo_model
 
     monkeypatch.setenv(ENV, "2")

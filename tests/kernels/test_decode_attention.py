@@ -6,16 +6,16 @@ import sys
 import pytest
 import torch
 
-from kiln.compiler import kernel_library, panel_lowering
+from kiln.compiler import libraries
 from kiln.compiler.aoti import LoadedLibrary
+from kiln.kernels import cpp_lowering, decode_attention
 from kiln.kernels.attention import attention_native
-from kiln.kernels import decode_attention
 
 
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
     path = tmp_path_factory.mktemp("decode") / "decode_attention.so"
-    path.write_bytes(kernel_library.build([kernel_library.DECODE_ATTENTION])[decode_attention.LIBRARY].library)
+    path.write_bytes(libraries.build([libraries.DECODE_ATTENTION])[decode_attention.LIBRARY].library)
     return LoadedLibrary(path, decode_attention.LIBRARY_ARGS)
 
 
@@ -97,8 +97,8 @@ def test_library_is_shipped_only_where_it_lowers(monkeypatch):
     """fp32 on CPU only, and never without its lowering: AOTInductor would otherwise build a library
     that calls the op's Python reference."""
     cpu = torch.device("cpu")
-    assert kernel_library.attention_wanted(cpu, torch.float32)
-    assert not kernel_library.attention_wanted(cpu, torch.bfloat16)
-    assert not kernel_library.attention_wanted(torch.device("cuda"), torch.float32)
-    monkeypatch.setattr(panel_lowering, "register", lambda: False)
-    assert not kernel_library.attention_wanted(cpu, torch.float32)
+    assert libraries.attention_wanted(cpu, torch.float32)
+    assert not libraries.attention_wanted(cpu, torch.bfloat16)
+    assert not libraries.attention_wanted(torch.device("cuda"), torch.float32)
+    monkeypatch.setattr(cpp_lowering, "register", lambda: False)
+    assert not libraries.attention_wanted(cpu, torch.float32)

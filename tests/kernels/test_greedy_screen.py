@@ -5,9 +5,9 @@ answer where it cannot tell."""
 import pytest
 import torch
 
-from kiln.compiler import kernel_library, panel_lowering
+from kiln.compiler import libraries
 from kiln.compiler.aoti import LoadedLibrary
-from kiln.kernels import greedy_screen, panel_linear
+from kiln.kernels import cpp_lowering, greedy_screen, panel_linear
 from kiln.models.lm_head import SCREEN_MAX_CANDIDATES, GreedyScreen
 from tests.models.test_lm_head import near_tied_head
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(panel_linear.available((64, 64), torch.int8) is 
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
     path = tmp_path_factory.mktemp("screen") / "greedy_screen.so"
-    path.write_bytes(kernel_library.build([kernel_library.GREEDY_SCREEN])[greedy_screen.LIBRARY].library)
+    path.write_bytes(libraries.build([libraries.GREEDY_SCREEN])[greedy_screen.LIBRARY].library)
     return LoadedLibrary(path, greedy_screen.LIBRARY_ARGS)
 
 
@@ -74,8 +74,8 @@ def test_kernel_gives_up_where_it_cannot_tell(library):
 
 
 def test_library_is_shipped_for_a_screen_on_the_int8_panels(monkeypatch):
-    assert kernel_library.screen_wanted({"format": "panels16", "screen": "panels16_int8"})
-    assert not kernel_library.screen_wanted({"format": "panels16", "screen": None})  # on oneDNN's or fbgemm's
-    assert not kernel_library.screen_wanted(None)
-    monkeypatch.setattr(panel_lowering, "register", lambda: False)
-    assert not kernel_library.screen_wanted({"format": "panels16", "screen": "panels16_int8"})
+    assert libraries.screen_wanted({"format": "panels16", "screen": "panels16_int8"})
+    assert not libraries.screen_wanted({"format": "panels16", "screen": None})  # on oneDNN's or fbgemm's
+    assert not libraries.screen_wanted(None)
+    monkeypatch.setattr(cpp_lowering, "register", lambda: False)
+    assert not libraries.screen_wanted({"format": "panels16", "screen": "panels16_int8"})

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import kiln.kernels  # noqa: F401
+from kiln.kernels import gemms
 from kiln.kernels import packed_linear, quantize_weight
 from kiln.models import lm_head
 from kiln.models.lm_head import Int8Head, PackedHead
@@ -21,7 +22,7 @@ def test_onednn_linear_matches_linear(dtype, bias, rows):
     w, x = torch.randn(96, 80).to(dtype), torch.randn(rows, 80).to(dtype)
     b = torch.randn(96).to(dtype) if bias else None
     try:
-        packed = packed_linear.pack("onednn", w)
+        packed = gemms.pack("onednn", w)
     except RuntimeError as e:  # gemm_choice rejects the format then ("packing failed"), keeping aten's GEMM
         assert dtype == torch.bfloat16 and "bf16 path needs the cpu support" in str(e)
         pytest.skip(f"oneDNN packs no bf16 weights on this CPU: {e}")
@@ -51,7 +52,7 @@ def test_onednn_int8_linear_is_exact_int32_accumulation(rows, weight_max):
     w = torch.randint(-weight_max, weight_max + 1, (48, 1000), dtype=torch.int8)
     w[1] = -weight_max
     ref = torch._int_mm(torch.cat([a, a.new_zeros(40 - rows, 1000)]), w.t())[:rows].float()  # >16 rows
-    for weight in (packed_linear.pack("onednn_int8", w), w):
+    for weight in (gemms.pack("onednn_int8", w), w):
         out = ops.onednn_int8_linear(packed_linear.shift_int8(a), weight)
         assert out.dtype == torch.float32
         assert torch.equal(out, ref)  # the same int32 sums, converted to fp32 the same way
@@ -69,7 +70,7 @@ def test_fbgemm_int8_linear_is_exact_where_a_pairwise_sum_would_saturate(rows):
     w = torch.randint(-127, 128, (48, k), dtype=torch.int8)
     w[1], w[2] = -127, 127
     ref = (a.double() @ w.double().t()).float()  # int32 sums (|sum| < 2^24 here: exact in fp32 too)
-    packed = packed_linear.pack("fbgemm_int8", w)
+    packed = gemms.pack("fbgemm_int8", w)
     assert packed_linear.is_packed(packed) and packed.shape == w.shape
     for weight in (packed, w):
         out = packed_linear.fbgemm_int8_linear(a, weight)
@@ -89,7 +90,7 @@ def test_fbgemm_w7a8_linear_is_exact_on_7_bit_weights_and_full_int8_activations(
     w = torch.randint(-top, top + 1, (48, k), dtype=torch.int8)
     w[1], w[2] = -top, top
     ref = (a.double() @ w.double().t()).float()
-    for weight in (packed_linear.pack("fbgemm_w7a8", w), w):
+    for weight in (gemms.pack("fbgemm_w7a8", w), w):
         out = packed_linear.fbgemm_w7a8_linear(a, weight)
         assert out.dtype == torch.float32 and out.shape == (rows, 48)
         assert torch.equal(out, ref)
@@ -107,7 +108,7 @@ def test_fp8_widened_weight_gives_scaled_mm_numbers():
     w, s_w = quantize_weight(torch.randn(64, 48), torch.float8_e4m3fn)
     a, s_a = ops.quant_fp8(torch.randn(6, 48))
     ref = ops.scaled_mm(a, w, s_a, s_w, torch.float32, None)
-    out = ops.onednn_linear(a.float(), packed_linear.pack("onednn_fp8_as_fp32", w)) * s_w * s_a
+    out = ops.onednn_linear(a.float(), gemms.pack("onednn_fp8_as_fp32", w)) * s_w * s_a
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 

@@ -100,7 +100,7 @@ def test_merged_projection_takes_the_largest_input_scale(demo_dirs, calibration,
 def test_static_input_scales_load_onto_the_models_device(demo_dirs, calibration, tmp_path):
     """The checkpoint's scales are read on the CPU; the model's may sit elsewhere (meta stands in for CUDA)."""
     from kiln.models.config import ModelConfig
-    from kiln.models.loader import load_weights
+    from kiln.weights.loader import load_weights
     from kiln.models.registry import create_model
 
     ckpt = write_compressed(demo_dirs["llama"], tmp_path / "ckpt", "int8", input_amax=calibration["llama"])

@@ -145,7 +145,7 @@ def test_int8_head_moves_onto_the_panel_gemm():
     assert torch.equal(head(hidden).argmax(-1), own(hidden).argmax(-1))
     assert not own.run_on_panels(panel_gemm("panels16_int8")) and own.kernel != "panels16_int8"  # packed already
     # loading an artifact that ships the library moves the model's int8 head onto it, else packs it as usual
-    from kiln.compiler.program import pack_lm_head
+    from kiln.weights.packing import pack_lm_head
 
     gemm = panel_gemm("panels16_int8")
     for libraries, kernel in (({"panels16_int8": lambda x, w: [gemm(x, w)]}, "panels16_int8"), ({}, own.kernel)):

@@ -127,11 +127,11 @@ def test_int8_artifact_on_packed_int8_weights_equals_int8_eager(demo_dirs, tmp_p
     """The int8 GEMM the CPU choice prefers (fbgemm's without VNNI, split for 8-bit weight codes and
     whole for 7-bit ones; oneDNN's with VNNI), compiled into the artifact: its weights packed at load
     reach the kernel through AOTInductor's op calls."""
-    from kiln.kernels import packed_linear
+    from kiln.kernels import gemms, packed_linear
     from kiln.passes import gemm_choice
 
     kernel = "onednn_int8" if packed_linear.int8_gemm_exact() else f"fbgemm_{scheme}"
-    if gemm_choice._unavailable(gemm_choice._Signature(scheme, (8, 8), torch.int8, False), kernel):
+    if gemms.BY_ID[kernel].unavailable(gemms.Projection(scheme, (8, 8), torch.int8, False)):
         pytest.skip(f"{kernel} is not available here")
     monkeypatch.setattr(gemm_choice, "_streamed_time", lambda fn, args: 0.5 if fn.kernel == kernel else 2.0)
     monkeypatch.setattr(gemm_choice, "MIN_TIMED_ELEMENTS", 0)  # the demo's projections are time-worthy here

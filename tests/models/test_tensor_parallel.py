@@ -8,7 +8,7 @@ import torch
 from kiln.config import ParallelConfig
 from kiln.errors import KilnError
 from kiln.models.config import ModelConfig
-from kiln.models.loader import load_weights
+from kiln.weights.loader import load_weights
 from kiln.models.registry import create_model
 from kiln.models.tensor_parallel import RankLayout, Shard
 

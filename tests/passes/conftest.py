@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.compiler.program import CompiledProgram, PackedWeights, pack_weights
+from kiln.compiler.contract import weight_indices
+from kiln.runtime.program import CompiledProgram, PackedWeights
+from kiln.weights.packing import pack_weights
 from kiln.compiler.trace import TracedBackbone, trace_backbone
 from kiln.config import EngineConfig
 from kiln.runtime.engine import Engine
@@ -46,7 +48,7 @@ def run_graph(llm: LLM, traced: TracedBackbone, prompts, params, weight_formats:
     saved = llm.engine
     graph = traced.graph
     if weight_formats:
-        graph = PackedWeights(graph, pack_weights(traced.inputs, llm.model, [weight_formats])[0])
+        graph = PackedWeights(graph, pack_weights(weight_indices(traced.inputs), llm.model, [weight_formats])[0])
     program = CompiledProgram(graph, traced.inputs, llm.model)
     llm.engine = Engine(llm.model, EngineConfig(), llm.tokenizer, forward=program)
     try:

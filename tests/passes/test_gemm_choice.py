@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from kiln.kernels import packed_linear
+from kiln.kernels import gemms
 from kiln.passes import count_ops, gemm_choice
 from kiln.config import PassConfig
 from kiln.passes import PassManager
@@ -53,11 +53,11 @@ def _weight_names(traced, formats: dict[str, str]) -> dict[str, str]:
 FLOAT_OPS = {"onednn": ops.onednn_linear, "panels16": ops.panel_linear}
 
 
-@pytest.mark.parametrize("kernel", gemm_choice._CANDIDATES["float"])
+@pytest.mark.parametrize("kernel", [c.id for c in gemms.for_kind("float")])
 def test_float_projections_move_to_packed_weights(quantized_llms, traced_graphs, kernel):
     llm, traced = quantized_llms[None], fresh(traced_graphs[None])
     layers = llm.model_config.num_layers
-    if (why := gemm_choice._unavailable(gemm_choice._Signature("float", (64, 8), torch.float32, False), kernel)):
+    if (why := gemms.BY_ID[kernel].unavailable(gemms.Projection("float", (64, 8), torch.float32, False))):
         pytest.skip(f"{kernel}: {why}: never chosen here")
     timed = []
     choices, formats = GemmChooser(timer=packed_faster(timed, fastest=kernel))(traced.graph.graph, (1, 16))
@@ -65,7 +65,7 @@ def test_float_projections_move_to_packed_weights(quantized_llms, traced_graphs,
     graph = traced.graph.graph
     assert count_ops(graph, FLOAT_OPS[kernel]) == 4 * layers  # qkv, o, gate_up, down
     assert count_ops(graph, aten.mm) == count_ops(graph, aten.addmm) == 0
-    runs = len(gemm_choice._CANDIDATES["float"]) + 1
+    runs = len(gemms.for_kind("float")) + 1
     assert sorted(timed) == [1] * runs * len(choices) + [16] * runs * len(choices)  # each signature once per count
     assert all(c.kernel == kernel and c.kind == "float" and c.ms[kernel] == (0.5, 0.5) for c in choices)
     assert sum(c.calls for c in choices) == 4 * layers
@@ -85,7 +85,7 @@ def test_slower_kernel_is_not_chosen(traced_graphs):
 
 
 QUANT_KERNELS = [(scheme, kernel) for scheme in SCHEMES + ["w7a8"]
-                 for kernel in gemm_choice._CANDIDATES[scheme.split("-")[0]]]
+                 for kernel in [c.id for c in gemms.for_kind(scheme.split("-")[0])]]
 OPS = {"onednn_int8": ops.onednn_int8_linear, "fbgemm_int8": ops.fbgemm_rows_linear, "widened": aten.mm,
        "fbgemm_w7a8": ops.fbgemm_rows_linear, "panels16_int8": ops.panel_int8_linear,
        "onednn_fp8_as_fp32": ops.onednn_linear}
@@ -96,8 +96,8 @@ def test_quantized_projections_move_to_packed_weights(quantized_llms, traced_gra
     llm, traced = quantized_llms[scheme], fresh(traced_graphs[scheme])
     layers = llm.model_config.num_layers
     kind = scheme.split("-")[0]
-    sig = gemm_choice._Signature(kind, (64, 8), torch.int8, False)
-    if (why := gemm_choice._unavailable(sig, kernel)) is not None:
+    sig = gemms.Projection(kind, (64, 8), torch.float8_e4m3fn if kind == "fp8" else torch.int8, False)
+    if (why := gemms.BY_ID[kernel].unavailable(sig)) is not None:
         pytest.skip(f"{kernel}: {why}: never chosen here")
     chooser = GemmChooser(timer=packed_faster(fastest=kernel), quantization=kind)
     choices, formats = chooser(traced.graph.graph, (1, 16))
@@ -107,7 +107,7 @@ def test_quantized_projections_move_to_packed_weights(quantized_llms, traced_gra
     assert count_ops(graph, OPS[kernel]) == 4 * layers
     if kernel == "onednn_int8":  # the uint8 shift casts through int32: Inductor runs int16 casts as scalar loops
         assert not any(n.kwargs.get("dtype") == torch.int16 for n in graph.nodes)
-    packed = {kernel} if kernel in packed_linear.FORMATS else set()  # widened reads the int8 weight as loaded
+    packed = {kernel} if kernel in gemms.FORMATS else set()  # widened reads the int8 weight as loaded
     assert {c.kind for c in choices} == {kind} and set(formats.values()) == packed
     assert {c.kernel for c in choices} == {kernel}
     # int8: the same int32 sums and scale products as scaled_mm. fp8: oneDNN sums the fp32 products in
@@ -130,8 +130,8 @@ def test_int8_without_the_packed_kernel_calls_int_mm_in_the_graph(quantized_llms
 
 
 def test_kernel_with_other_numbers_is_rejected(traced_graphs, monkeypatch):
-    real = packed_linear.pack
-    monkeypatch.setattr(packed_linear, "pack", lambda fmt, w: real(fmt, w * 2))  # a kernel that gets it wrong
+    real = gemms.pack
+    monkeypatch.setattr(gemms, "pack", lambda fmt, w: real(fmt, w * 2))  # a kernel that gets it wrong
     traced = fresh(traced_graphs[None])
     choices, formats = GemmChooser(timer=packed_faster())(traced.graph.graph, (1, 1))
     assert formats == {} and count_ops(traced.graph.graph, ops.onednn_linear) == 0
@@ -177,8 +177,8 @@ def test_ranges_whose_kernels_differ_get_graphs_of_their_own(traced_graphs):
 def test_a_weight_keeps_one_packed_format_across_size_ranges(traced_graphs):
     """The decode batches' kernel (the panel GEMM here) is kept for prefill chunks, where oneDNN's
     measures faster but the panel GEMM still beats torch's: one packed copy of each weight."""
-    sig = gemm_choice._Signature("float", (64, 8), torch.float32, False)
-    if gemm_choice._unavailable(sig, "panels16"):
+    sig = gemms.Projection("float", (64, 8), torch.float32, False)
+    if gemms.BY_ID["panels16"].unavailable(sig):
         pytest.skip("kiln's panel GEMM is not available here")
 
     def timer(fn, args):
@@ -202,8 +202,8 @@ def test_screen_choice_is_the_faster_kernel_overall_not_vetoed_by_torchs():
     # the screen never runs on torch's int8 GEMM: being 2% slower than it at one token count once made
     # the panel GEMM lose the screen (and the one-kernel screen with it) while it was faster overall
     shape = (512, 64)
-    sig = gemm_choice._Signature("int8", shape, torch.int8, False, torch.float32)
-    if any(gemm_choice._unavailable(sig, c) for c in ("onednn_int8", "panels16_int8")):
+    sig = gemms.Projection("int8", shape, torch.int8, False, torch.float32)
+    if any(gemms.BY_ID[c].unavailable(sig) for c in ("onednn_int8", "panels16_int8")):
         pytest.skip("oneDNN's or kiln's int8 GEMM cannot run here")
     at = {1: {"aten": 3.53, "onednn_int8": 3.46, "panels16_int8": 3.60},
           16: {"aten": 9.43, "onednn_int8": 4.98, "panels16_int8": 3.63}}

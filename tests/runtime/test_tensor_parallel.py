@@ -70,7 +70,7 @@ def test_int8_splits_and_fuses_allreduce_with_norm_and_quant(two_ranks, demo_dir
     from kiln.compiler.trace import trace_backbone
     from kiln.config import ParallelConfig
     from kiln.models.config import ModelConfig
-    from kiln.models.loader import load_weights
+    from kiln.weights.loader import load_weights
     from kiln.models.quantization import quantize_model
     from kiln.models.registry import create_model
     from kiln.passes import PassManager

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.kernels import huge_pages, panel_linear
+from kiln.kernels import gemms, panel_linear
+from kiln.weights import formats, huge_pages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 pytestmark = pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text() or not hasattr(mmap, "MADV_HUGEPAGE"),
@@ -83,8 +84,8 @@ def test_a_freed_tensor_is_unmapped_and_skipped(monkeypatch):
 @needs_collapse
 def test_packed_weights_are_queued_and_the_background_thread_collapses_them():
     w = torch.randn(4096, 512)  # 8 MB: four huge pages
-    packed = panel_linear.pack(w)
-    codes = panel_linear.pack_int8(torch.randint(-128, 128, (8192, 512), dtype=torch.int8))  # two
+    packed = formats.pack(gemms.PANELS16.id, w)
+    codes = formats.pack(gemms.PANELS16_INT8.id, torch.randint(-128, 128, (8192, 512), dtype=torch.int8))  # two
     assert packed.data_ptr() % huge_pages.HUGE_PAGE == 0 and codes.data_ptr() % huge_pages.HUGE_PAGE == 0
     huge_pages.start()
     assert huge_pages.wait(timeout=60)

@@ -14,8 +14,9 @@ import weakref
 import pytest
 import torch
 
-from kiln.kernels import pack_cache, packed_linear, panel_linear
-from kiln.kernels.pack_cache import PackFile
+from kiln.kernels import packed_linear, panel_linear
+from kiln.weights import pack_cache
+from kiln.weights.pack_cache import PackFile
 
 IDENTITY = {"checkpoint": "0123456789abcdef0123456789abcdef"}
 

@@ -1,56 +1,25 @@
-"""The compiled backbone as a callable, and the input contract that binds it to a model and a batch.
-
-A traced graph's inputs are the model's weights, the batch tensors, the per-layer KV caches and
-symbolic sizes. `GraphInput` records where each comes from, so the program can be called with the
-same arguments as `CausalLM.forward` without Dynamo.
+"""What runs a token: an artifact's compiled backbone as a callable with `CausalLM.forward`'s
+arguments, its variants picked by token count, its weights bound once (`kiln.compiler.contract`
+says where each graph input comes from), and on CUDA its pieces replayed as graphs.
 """
 
 import dataclasses
 import functools
 import logging
-import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from kiln.compiler.cudagraph import GraphedPiece, default_capture_sizes, pad_tokens, padded_size
+from kiln.compiler.contract import GraphInput
 from kiln.errors import KilnError
-from kiln.kernels import AttentionMetadata, pack_cache, packed_linear
+from kiln.kernels import AttentionMetadata
 from kiln.kernels.attention import one_batch
-from kiln.kernels.pack_cache import PackFile, Slot
-from kiln.models.lm_head import Int8Head, PackedHead
+from kiln.runtime.cudagraph import GraphedPiece, default_capture_sizes, pad_tokens, padded_size
+from kiln.weights.pack_cache import PackFile
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GraphInput:
-    """One graph input. kind: "weight" (a parameter or buffer, by name), "input" (`input_ids` or
-    `positions`), "meta" (an AttentionMetadata field), "kv_cache" (layer index in `name`), or "size"
-    (dimension `dim` of the graph input at index `of`)."""
-
-    kind: str
-    name: str
-    of: int | None = None
-    dim: int | None = None
-
-    @property
-    def arg_name(self) -> str:
-        """A readable Python identifier for this input in the stitching code."""
-        if self.kind == "weight":
-            return "w_" + self.name.replace(".", "_")
-        return f"kv_cache_{self.name}" if self.kind == "kv_cache" else self.name
-
-
-def arg_names(inputs: list[GraphInput]) -> list[str]:
-    names: list[str] = []
-    for i, spec in enumerate(inputs):
-        name = spec.arg_name
-        names.append(f"{name}_{i}" if name in names else name)
-    return names
 
 
 @dataclass
@@ -102,7 +71,7 @@ class ByTokenCount:
 
 class PackedWeights:
     """A variant's forward with some weight arguments replaced by their packed forms: each variant
-    reads the formats its own GEMM choices asked for (`kiln.kernels.packed_linear`)."""
+    reads the formats its own GEMM choices asked for (`kiln.kernels.gemms`)."""
 
     def __init__(self, forward: Callable, packed: dict[int, torch.Tensor]):
         self.forward, self.packed = forward, list(packed.items())
@@ -112,105 +81,6 @@ class PackedWeights:
         for i, weight in self.packed:
             args[i] = weight
         return self.forward(*args)
-
-
-def pack_weights(inputs: list[GraphInput], model: nn.Module, formats: list[dict[str, str]],
-                 release: bool = False, packs: PackFile | None = None) -> list[dict[int, torch.Tensor]]:
-    """For each variant's {weight name: format}: {argument index: the packed weight}. A weight two
-    variants read in one format is packed once, into `packs`' file where given (`pack_slots`).
-
-    `release`: a weight every variant reads packed, in one format, gives up its plain copy as soon as
-    it is packed (`release_weight`), so the model holds each weight once, not twice, even while
-    packing."""
-    weights = dict(model.named_parameters())
-    index = {spec.name: i for i, spec in enumerate(inputs) if spec.kind == "weight"}
-    wanted = sorted({(name, fmt) for f in formats for name, fmt in f.items()})
-    releasable = {name for name, fmt in wanted if release and all(f.get(name) == fmt for f in formats)}
-    start = time.perf_counter()
-    packed = {}
-    # a weight per thread: oneDNN's reorder of one weight barely uses a second core
-    with ThreadPoolExecutor(torch.get_num_threads()) as pool:
-        pack = packs.pack if packs is not None else lambda name, fmt, w: packed_linear.pack(fmt, w)
-        for (name, fmt), weight in zip(wanted, pool.map(lambda w: pack(w[0], w[1], weights[w[0]]), wanted)):
-            packed[name, fmt] = weight
-            if name in releasable:
-                release_weight(model, name)
-    if wanted:
-        logger.info("packed %d weights for their kernels in %.2fs (%d plain copies released)", len(wanted),
-                    time.perf_counter() - start, len(releasable))
-    return [{index[name]: packed[name, fmt] for name, fmt in f.items()} for f in formats]
-
-
-RELEASED = "released_weights"
-"""The model attribute naming each released weight's shape ({name: torch.Size})."""
-
-
-def release_weight(model: nn.Module, name: str) -> None:
-    """Free parameter `name`'s memory, leaving an empty tensor of its dtype: a compiled program reads
-    only its packed copy. The model records the shape it had (`RELEASED`) and refuses to run eagerly."""
-    param = model.get_parameter(name)
-    released = model.__dict__.setdefault(RELEASED, {})
-    if not released:
-        model.register_forward_pre_hook(_refuse_eager_run)
-    released[name] = param.shape
-    param.data = param.data.new_empty(0)
-
-
-def _refuse_eager_run(model: nn.Module, args) -> None:
-    raise KilnError(f"this model's plain projection weights were released once packed for its compiled artifact "
-                    f"({len(getattr(model, RELEASED))} of them): run it through the LLM, or load it with "
-                    "compile=False to call the model itself")
-
-
-HEAD = "lm_head"
-"""The LM head's name among packed weights (a tied head's weight is the embedding's)."""
-
-
-def pack_slots(model: nn.Module, formats: list[dict[str, str]], head_choice: dict | None,
-               libraries: dict[str, Callable]) -> list[Slot]:
-    """What `pack_weights` and `pack_lm_head` will pack into a cache file (`kiln.kernels.pack_cache`):
-    the projections' plain-tensor formats, and the LM head's where it runs on a panel GEMM."""
-    weights = dict(model.named_parameters())
-    slots = [pack_cache.slot(name, fmt, weights[name]) for f in formats for name, fmt in f.items()]
-    int8_head = getattr(model, "lm_head_kernel", None)
-    if isinstance(int8_head, Int8Head):
-        if "panels16_int8" in libraries and not int8_head.packed:
-            slots.append(pack_cache.slot(HEAD, "panels16_int8", int8_head.codes))
-    elif int8_head is None and head_choice is not None and head_choice.get("format") is not None:
-        slots.append(pack_cache.slot(HEAD, head_choice["format"], model.lm_head_weight()))
-    return [s for s in slots if s is not None]
-
-
-def pack_lm_head(model: nn.Module, choice: dict | None, libraries: dict[str, Callable] | None = None,
-                 screen: Callable | None = None, packs: PackFile | None = None) -> PackedHead | None:
-    """The model's LM head as an artifact's manifest chose it (its "lm_head" entry: a packed format,
-    the greedy screen's kernel), on the panel GEMM `libraries` (format -> the loaded library) it
-    ships, its greedy screen on the `screen` library where it ships one; None for no format, or when
-    the model has an int8 head of its own (which then runs on the int8 panel GEMM where the artifact
-    ships it)."""
-    libraries = libraries or {}
-    packer = functools.partial(packs.pack, HEAD) if packs is not None else None
-    int8_head = getattr(model, "lm_head_kernel", None)
-    if isinstance(int8_head, Int8Head):
-        panels = libraries.get("panels16_int8")
-        if panels is not None and int8_head.run_on_panels(_head_gemm(panels), packer):
-            logger.info("the int8 LM head runs on the artifact's int8 panel GEMM")
-        int8_head.pack()
-    if choice is None or choice.get("format") is None or int8_head is not None:
-        return None
-    start = time.perf_counter()
-    head = PackedHead(model.lm_head_weight(), choice["format"], gemm=_head_gemm(libraries.get(choice["format"])),
-                      screen_gemm=_head_gemm(libraries.get(choice.get("screen"))),
-                      screen_library=screen if choice.get("screen") == "panels16_int8" else None, packer=packer)
-    logger.info("packed the LM head in %.2fs", time.perf_counter() - start)
-    return head
-
-
-def _head_gemm(library: Callable | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
-    """A loaded head library as `gemm(x, packed weight)` (`kiln.models.lm_head.HeadGemm`)."""
-    if library is None:
-        return None
-    return lambda x, weight: library(x.contiguous(), weight)[0]
 
 
 def program_of(forward: Callable):
@@ -251,7 +121,7 @@ class CompiledProgram:
         """Memory the program takes that the kernel still counts as available when the KV cache is sized:
         the LM head's screen, built on first use."""
         self.pack_file: PackFile | None = None
-        """The file its packed weights are read from or written to (`kiln.kernels.pack_cache`), if any."""
+        """The file its packed weights are read from or written to (`kiln.weights.pack_cache`), if any."""
         self._per_call = [(i, spec) for i, spec in enumerate(inputs) if spec.kind in ("input", "meta", "kv_cache")]
         self._sizes = [(i, spec.of, spec.dim) for i, spec in enumerate(inputs) if spec.kind == "size"]
         self.capture_sizes: tuple[int, ...] = ()

@@ -6,7 +6,9 @@ import torch
 
 from kiln import LLM
 from kiln.bench.decode import decode_weight_bytes
-from kiln.compiler.program import RELEASED, GraphInput, pack_weights
+from kiln.compiler.contract import GraphInput, weight_indices
+from kiln.runtime import bind
+from kiln.weights.packing import RELEASED, pack_weights
 from kiln.errors import KilnError
 from kiln.kernels import packed_linear
 
@@ -22,7 +24,7 @@ def test_only_weights_every_variant_reads_packed_are_released(demo_dirs):
     qkv, o = (model.get_parameter(n).detach().clone() for n in (QKV, O))
     weight_bytes = decode_weight_bytes(model)
     # variant 0 reads both packed; variant 1 reads o_proj plain (it is absent from its formats)
-    packed = pack_weights(inputs, model, [{QKV: "onednn", O: "onednn"}, {QKV: "onednn"}], release=True)
+    packed = pack_weights(weight_indices(inputs), model, [{QKV: "onednn", O: "onednn"}, {QKV: "onednn"}], release=True)
 
     assert getattr(model, RELEASED) == {QKV: qkv.shape}
     assert model.get_parameter(QKV).numel() == 0 and model.get_parameter(QKV).dtype == qkv.dtype
@@ -36,17 +38,15 @@ def test_only_weights_every_variant_reads_packed_are_released(demo_dirs):
 
 
 def test_a_released_model_is_not_bound_to_another_artifact(demo_dirs, llama_artifact):
-    from kiln.compiler import artifact
-
     model = LLM(demo_dirs["llama"]).model
     inputs = [GraphInput("weight", name) for name, _ in model.named_parameters()]
-    pack_weights(inputs, model, [{QKV: "onednn"}], release=True)
+    pack_weights(weight_indices(inputs), model, [{QKV: "onednn"}], release=True)
     with pytest.raises(KilnError, match=f"weight {QKV} of this model was released once packed"):
-        artifact.load(llama_artifact, model)
+        bind.load(llama_artifact, model)
 
 
 def test_without_release_the_model_keeps_every_weight(demo_dirs):
     model = LLM(demo_dirs["llama"]).model
     inputs = [GraphInput("weight", name) for name, _ in model.named_parameters()]
-    pack_weights(inputs, model, [{QKV: "onednn"}])
+    pack_weights(weight_indices(inputs), model, [{QKV: "onednn"}])
     assert not hasattr(model, RELEASED) and model.get_parameter(QKV).numel() > 0

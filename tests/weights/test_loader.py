@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from kiln.errors import KilnError
 from kiln.models.config import ModelConfig
 from kiln.models.demo import write_demo_model
-from kiln.models.loader import load_weights
+from kiln.weights.loader import load_weights
 from kiln.models.registry import create_model
 
 

@@ -1,19 +1,14 @@
 """Packed weights moved onto transparent huge pages by a background thread, while the CPUs idle.
 
 A batch-1 decode step reads each packed weight once, straight from memory: on 4 KB pages that is a
-TLB miss every 4 KB (some 350,000 a step for the 0.5B shape in fp32). Once on 2 MB pages, the 0.5B
-shape's batch-1 decode step took 0.93x the time in fp32 and 0.94x in int8 (one process, the weights'
-collapsed pages and ordinary copies alternating over 20 rounds, on a 2-core EPYC VM).
+TLB miss every 4 KB, and on 2 MB pages the step is measurably shorter (docs/cpu.md).
 
 Why not at allocation: on a VM whose balloon reports free memory to the host (Firecracker's, as on
-kiln's CI machines), a fresh 2 MB page is memory the host must fault in again, about 1.5 s a GB
-there against 0.2 s on 4 KB pages; it made a fresh process's start to ready 1-3.5 s longer in fp32.
-So `empty` maps a tensor on a 2 MB boundary with ordinary pages, and once the runtime is up
+kiln's CI machines), a fresh 2 MB page is memory the host must fault in again, several times slower
+than 4 KB pages, which would lengthen a fresh process's start to ready. So `empty` maps a tensor on a 2 MB boundary with ordinary pages, and once the runtime is up
 (`start`) a thread at Linux's idle scheduling class collapses each written one into huge pages
-(`madvise(MADV_COLLAPSE)`, Linux 6.1+) when no other thread wants a CPU: the 0.5B shape's took 4.7 s
-of idle time in fp32 (1.9 GB) and 2.0 s in int8. The weights stay where they are, readable
-throughout. Under a steady load the thread barely runs (4-52 MB over a whole `benchmarks/peers.py`
-workload); a burst that arrives mid-collapse may wait once for one 2 MB page's few milliseconds in
+(`madvise(MADV_COLLAPSE)`, Linux 6.1+) when no other thread wants a CPU. The weights stay where they
+are, readable throughout. Under a steady load the thread barely runs; a burst that arrives mid-collapse may wait once for one 2 MB page's few milliseconds in
 the kernel. Where the kernel cannot collapse, the advice alone lets its khugepaged do it, slowly.
 """
 

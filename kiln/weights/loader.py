@@ -6,8 +6,6 @@ Tensors are read straight into their parameters where dtype and layout allow, on
 beside them.
 """
 
-import dataclasses
-import json
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -17,30 +15,13 @@ import torch
 
 from kiln import checksum
 from kiln.errors import KilnError
-from kiln.models.config import ModelConfig
 from kiln.models.llama import CausalLM
-from kiln.models.safetensors_file import SafetensorsFile
+from kiln.weights.safetensors_file import SafetensorsFile, checkpoint_files
 from kiln.models.tensor_parallel import Shard
 
 logger = logging.getLogger(__name__)
 
-INDEX_FILE = "model.safetensors.index.json"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({model_dir / f for f in weight_map.values()})
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise KilnError(f"{index} lists {', '.join(missing)}, which is not in {model_dir}")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise KilnError(f"{model_dir} has no *.safetensors weights (kiln does not read .bin/.pt checkpoints)")
-    return files
 
 
 def checkpoint_bytes(model_dir: Path, dtype: torch.dtype) -> int:
@@ -54,27 +35,6 @@ def checkpoint_bytes(model_dir: Path, dtype: torch.dtype) -> int:
                 size = dtype.itemsize if stored.is_floating_point and stored.itemsize > 1 else stored.itemsize
                 total += size * f.numel(name)
     return total
-
-
-def untie_stored_lm_head(config: ModelConfig, model_dir: Path) -> ModelConfig:
-    """`config`, untied when it says `tie_word_embeddings` but the checkpoint stores an `lm_head.weight`
-    that differs from the embedding: that weight is the output projection, as transformers loads such
-    a checkpoint (a copy equal to the embedding stays tied, one matrix in memory)."""
-    if not config.tie_word_embeddings or not any(model_dir.glob("*.safetensors")):
-        return config
-    found: dict[str, Path] = {}
-    for path in checkpoint_files(model_dir):
-        with SafetensorsFile(path) as f:
-            found.update({name: path for name in ("lm_head.weight", "model.embed_tokens.weight") if name in f})
-    if len(found) < 2:
-        return config
-    with SafetensorsFile(found["lm_head.weight"]) as head, SafetensorsFile(found["model.embed_tokens.weight"]) as emb:
-        same = torch.equal(head.tensor("lm_head.weight"), emb.tensor("model.embed_tokens.weight"))
-    if same:
-        return config
-    logger.warning("%s: config.json says tie_word_embeddings, but the checkpoint stores an lm_head.weight of its "
-                   "own: kiln uses it, as transformers does (set tie_word_embeddings=false to silence this)", model_dir)
-    return dataclasses.replace(config, tie_word_embeddings=False)
 
 
 def _sources(model: CausalLM, pname: str, param: torch.Tensor) -> list[tuple[str, int, int]]:

@@ -1,7 +1,7 @@
 """Packed weights kept in a file beside the artifacts, so that a later load reads them back instead of
 packing them again; every byte read back is checked first.
 
-The first load packs into memory (`packed_linear.pack`), and a background thread writes the packed
+The first load packs into memory (`kiln.weights.formats.pack`), and a background thread writes the packed
 weights to a new file, with an XXH3-128 checksum of each slot, makes it durable (fsync), read-only,
 and publishes it by a rename (a process that exits sooner waits for it). A later load reads each slot
 as its weight would be packed (on the packing threads) straight into memory of its own with
@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 from kiln import checksum
-from kiln.kernels import huge_pages, packed_linear
+from kiln.kernels import gemms
+from kiln.weights import formats, huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def folder_for(cache_dir: Path) -> Path | None:
 
 @dataclass(frozen=True)
 class Slot:
-    """One packed weight in a file: the weight's name, its format (`packed_linear.PLAIN_FORMATS`),
+    """One packed weight in a file: the weight's name, its format (`gemms.PLAIN_FORMATS`),
     shape and dtype."""
 
     name: str
@@ -84,7 +85,7 @@ class Slot:
 def slot(name: str, format: str, weight: torch.Tensor) -> Slot | None:
     """The slot a weight packed in `format` takes; None for a format that is not a plain tensor or a
     weight not on the CPU (such weights are packed in memory)."""
-    if format not in packed_linear.PLAIN_FORMATS or weight.device.type != "cpu":
+    if format not in gemms.PLAIN_FORMATS or weight.device.type != "cpu":
         return None
     return Slot(name, format, tuple(weight.shape), str(weight.dtype).removeprefix("torch."))
 
@@ -151,7 +152,7 @@ class PackFile:
         kept for the file where it has a slot)."""
         out = self.read(name, format)
         if out is None:
-            out = packed_linear.pack(format, weight)
+            out = formats.pack(format, weight)
         if Slot(name, format, tuple(out.shape), _dtype(out)) in self._wanted:
             self._packed[name, format] = out
         return out

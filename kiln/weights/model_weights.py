@@ -1,0 +1,50 @@
+"""A model's weights through a load: what `LLM` calls, and all it calls of `kiln.weights`.
+
+They are read from the checkpoint with every byte checksummed (`loader`), packed for an artifact
+from the pack cache's file where the checksum finds one (`pack_cache`), and moved onto huge pages
+once the model serves (`huge_pages`).
+"""
+
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kiln.weights import huge_pages, loader, pack_cache
+from kiln.weights.pack_cache import PackFile, Slot
+
+PackFileOpener = Callable[[list[Slot]], PackFile]
+"""opener(slots) -> the pack cache file for those slots (`kiln.weights.pack_cache.PackFile`)."""
+
+
+class ModelWeights:
+    """The weights of the checkpoint in `model_dir`."""
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = Path(model_dir)
+        self.checksum: str | None = None
+        """The checksum of every checkpoint byte loaded (`kiln.checksum`): what keys the packed weights."""
+
+    def bytes_in(self, dtype: torch.dtype) -> int:
+        """The memory the checkpoint's tensors take once loaded to run in `dtype` (from file headers)."""
+        return loader.checkpoint_bytes(self.model_dir, dtype)
+
+    def load_into(self, model: nn.Module) -> str:
+        """Read the checkpoint into `model`'s parameters; returns (and keeps) the checksum of what was read."""
+        self.checksum = loader.load_weights(model, self.model_dir)
+        return self.checksum
+
+    @staticmethod
+    def pack_file(cache_dir: Path, identity: dict) -> PackFileOpener | None:
+        """Where a compiled program's packed weights are kept between loads, keyed by `identity` (the
+        checkpoint's checksum and whatever else shapes the packed bytes); None where `$KILN_PACK_CACHE`
+        is off."""
+        folder = pack_cache.folder_for(cache_dir)
+        return None if folder is None else partial(PackFile, folder, identity)
+
+    @staticmethod
+    def settle() -> None:
+        """Move the packed weights onto huge pages from now on, in idle time (once the model is ready)."""
+        huge_pages.start()
