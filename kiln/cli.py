@@ -47,7 +47,7 @@ def _shaped_model(args: argparse.Namespace):
 
     if not Path(args.model_dir).is_dir():
         raise KilnError(f"model directory {args.model_dir} does not exist")
-    # every rank compiles to the same graph (DESIGN.md section 8), so rank 0's serves them all
+    # every rank compiles to the same graph, so rank 0's serves them all
     parallel = ParallelConfig(rank=0, world_size=args.tensor_parallel_size)
     config = ModelConfig.from_model_dir(Path(args.model_dir))
     model = create_model(config, parse_dtype(config.resolve_dtype(args.dtype)),

@@ -104,7 +104,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class PassConfig:
-    """Which of kiln's graph passes run (DESIGN.md section 4). All on by default; each is part of the
+    """Which of kiln's graph passes run. All on by default; each is part of the
     artifact key, so turning one off builds a different artifact."""
 
     noop_elimination: bool = True

@@ -2,7 +2,7 @@
 
 A library holds the piece's C++ wrapper and its kernels; it runs through torch's C++ runner, so
 loading one imports none of Inductor's Python (its Python wrapper alone pulls in the whole
-compiler: about 2 s of imports on this CPU, more than the rest of a start-up). Custom ops in the
+compiler: seconds of imports, more than the rest of a start-up). Custom ops in the
 piece (kiln's, but for the projections: `kiln.kernels.onednn_lowering`, `kiln.kernels.cpp_lowering`)
 are called through a proxy executor that reads the op calls from a JSON file beside the library,
 named like it.

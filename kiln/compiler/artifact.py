@@ -91,7 +91,7 @@ HEAD_TENSOR_ARGS = (0, 1)
 
 
 def lm_head_libraries(manifest: dict) -> dict[str, dict]:
-    """The LM head's libraries (`kiln.compiler.head_library`): weight format -> blob entry."""
+    """The LM head's libraries (`kiln.compiler.libraries`): weight format -> blob entry."""
     return (manifest.get("lm_head") or {}).get("libraries") or {}
 
 
@@ -133,9 +133,9 @@ def save(
     Each of `variants` has `ranges`, `sizes`, `program` (source), `passes` (report entries),
     `kernel_choices` (the lowering's measured decisions, CUDA) and `pieces`: piece name -> an object
     with `compiled` ({size or None: CompiledLibrary}), `tokens`, `returns_tuple` and `tensor_args`.
-    `head_libraries` maps a weight format to the LM head's library of its GEMM (`head_library`),
+    `head_libraries` maps a weight format to the LM head's library of its GEMM (`kiln.compiler.libraries`),
     listed under info's "lm_head"; `libraries` maps a name to a library the runtime calls outside the
-    pieces (`kernel_library`), listed as the manifest's "libraries". `debug` maps a relative path
+    pieces (`kiln.compiler.libraries`), listed as the manifest's "libraries". `debug` maps a relative path
     under debug/ -> text; each library's C++ is added under debug/inductor/.
     """
     path = Path(path)

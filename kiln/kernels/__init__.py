@@ -60,8 +60,8 @@ def _register_triton_kernels() -> None:
 
 
 def _no_lazy_dynamo_import() -> None:
-    """torch wraps each custom op's implementation to import torch._dynamo on its first call (1.1 s on
-    a 2-core CPU, paid by the first request of every `kiln serve`). Dynamo never runs these
+    """torch wraps each custom op's implementation to import torch._dynamo on its first call (about a
+    second, paid by the first request of every `kiln serve`). Dynamo never runs these
     implementations (it records the op whole), so each is marked as already wrapped. A torch that
     wraps differently leaves the attribute unread."""
     from torch._library.custom_ops import OPDEFS
@@ -77,9 +77,8 @@ def _no_lazy_dynamo_import() -> None:
 def _direct_cpu_kernels() -> None:
     """torch calls a custom op's implementation through a Python wrapper (argument and aliasing checks
     on every call), and a CPU decode step of a 24-layer model calls ~150 kiln ops. Each op's own
-    function is also registered as its CPU kernel, which the dispatcher calls straight: measured on
-    the AVX2 EPYC, fbgemm_rows_linear 35 -> 30 us a call and kv_cache_write 56 -> 51 us, about 0.5 ms
-    of a 38 ms w7a8 batch-1 step. The same function serves MkldnnCPU, the key a call dispatches on
+    function is also registered as its CPU kernel, which the dispatcher calls straight, some
+    microseconds a call less. The same function serves MkldnnCPU, the key a call dispatches on
     when it passes a packed oneDNN weight (else it falls through to the wrapper). Tracing still sees
     each op whole through its fake impl. An op with a CPU kernel of its own, or a torch that keeps
     the function elsewhere, keeps the wrapper."""

@@ -31,8 +31,8 @@ class AttentionMetadata:
 
 def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[seqs, nblocks] block ids -> K and V, each [seqs, kv_heads, nblocks * block_size, head_dim]:
-    views of one copy of both made block by block (what SDPA's CPU kernel reads without another copy;
-    one gather instead of two saves 6 us a layer at batch 1)."""
+    views of one copy of both made block by block (what SDPA's CPU kernel reads without another copy:
+    one gather instead of two)."""
     seqs, nblocks = blocks.shape
     x = kv_cache.index_select(1, blocks.flatten())  # [2, seqs * nblocks, block_size, heads, dim]
     x = x.view(2, seqs, nblocks * kv_cache.shape[2], *kv_cache.shape[3:]).transpose(2, 3)
@@ -80,8 +80,8 @@ _batch = [0, 0]  # [the `one_batch` now open (0: none), the last one opened]
 @contextlib.contextmanager
 def one_batch():
     """Within it every attention call is of one batch, as in one forward of a compiled program:
-    the layers' calls find the first one's plan by their metadata tensors' identity (1 us a layer),
-    not by comparing values (10 us; what calls outside it, or in the next batch, do)."""
+    the layers' calls find the first one's plan by their metadata tensors' identity, not by comparing
+    values (several times slower; what calls outside it, or in the next batch, do)."""
     _batch[1] += 1
     _batch[0] = _batch[1]
     try:
@@ -244,8 +244,8 @@ def attention_call(query: torch.Tensor, kv_cache: torch.Tensor, write_done: torc
                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                    sliding_window: int, decode: Callable | None = None) -> torch.Tensor:
     """`kiln::attention` as a compiled program calls it between its pieces: on CPU straight to its
-    implementation, not through the op dispatcher (7 us a call on a 2-core EPYC, one call a layer per
-    step), batches of decodes on the artifact's `decode` library where it ships one; elsewhere
+    implementation, not through the op dispatcher (microseconds a call, one call a layer per step),
+    batches of decodes on the artifact's `decode` library where it ships one; elsewhere
     through the op, which picks the device's kernel."""
     if query.device.type == "cpu":
         return attention_native(query, kv_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window,

@@ -3,11 +3,10 @@ hidden states, bound their error, run the int8 panel GEMM over the vocabulary, a
 fp32 only the tokens that can beat the int8 leader, in one call.
 
 In Python the screen's arithmetic is some forty small torch ops a step (norms in fp64, a block
-maximum, a threshold, the candidates' rows): 0.8 ms of a 14.7 ms batch-1 int8 step of Qwen2.5-0.5B
-on a 2-core EPYC, while the GEMM streams the head's 136 MB in 3.4 ms. Here they cost microseconds, and the
-second core scans its own half of the logits while they are in its cache. The bound is the one
+maximum, a threshold, the candidates' rows), a noticeable share of a small model's batch-1 step.
+Here they cost microseconds, and the second core scans its own half of the logits while they are in its cache. The bound is the one
 `GreedyScreen` documents, row by row. Like the panel GEMMs the kernel is C++ that AOTInductor
-builds into a library the artifact ships (`kiln.compiler.kernel_library`); the op's own function is
+builds into a library the artifact ships (`kiln.compiler.libraries`); the op's own function is
 the reference.
 """
 

@@ -3,8 +3,7 @@ oneDNN kernels, which a compiled CPU piece calls through AOTInductor's C shim.
 
 Left to Inductor's default, a custom op in an AOTInductor library is called through the proxy
 executor: its arguments boxed from a JSON call table, then the op's Python function, on every call
-(measured: 5 us more a call than the C shim for fp32; a decode step of the fp32 0.5B model makes 96
-such calls). Lowered, the library calls `mkldnn::_linear_pointwise` / `onednn::qlinear_pointwise`
+(microseconds more a call than the C shim, and a decode step makes several calls a layer). Lowered, the library calls `mkldnn::_linear_pointwise` / `onednn::qlinear_pointwise`
 from C++ with no Python and no GIL, on the packed weight the piece takes as an input, as torch's own
 frozen-weight path does on a weight constant.
 """

@@ -3,12 +3,10 @@ of 16 output channels, each panel's K x 16 block contiguous, streamed once per c
 token rows accumulate in registers, with the panel 16 KB ahead prefetched.
 
 At decode sizes a projection reads its weight from memory, and oneDNN's fp32 GEMM does not keep the
-memory busy while it computes: on a 2-core AVX512 EPYC, Qwen2.5-0.5B's gate_up projection at 16
-tokens took 1.07-1.24 ms on oneDNN's packed weight against 0.73 ms to stream the weight alone; this
-kernel took 0.76-0.79 ms (and beat oneDNN at 1 to 33 tokens on every projection of that model, and
-came within 0-7% of it at 256). The int8 kernel (`vpdpbusd`, four K per instruction) took 0.13 ms
-for gate_up at 1 token and 0.23 ms at 16, against oneDNN's int8 GEMM's 0.19 and 0.30-0.43 ms; on
-the small projections oneDNN spends some 20 us a call where the kernel takes 8-10.
+memory busy while it computes: this kernel runs close to the time it takes to stream the weight,
+and the int8 kernel (`vpdpbusd`, four K per instruction) likewise; on small projections oneDNN's
+per-call costs outweigh the GEMM. docs/cpu.md has the measurements; the compile times both kernels
+against the others on every projection (`kiln.passes.gemm_choice`).
 
 Each kernel is C++ that AOTInductor compiles into the piece that calls it
 (`kiln.kernels.cpp_lowering` splices its `PanelKernel` sources into the generated wrapper), so it
@@ -34,8 +32,7 @@ PANEL = 16
 """Output channels a panel holds: one AVX-512 register of fp32 (the kernels' KILN_PANEL, csrc/panel.h)."""
 PREFETCH_LINES = 256
 """How far ahead of the row being multiplied the kernel prefetches its weight, in 64-byte lines
-(a K x 16 panel row is one line). Measured on the 0.5B shapes: 64 lines left gate_up 10% slower;
-256 and 512 timed the same. The kernels' KILN_PREFETCH_LINES (csrc/panel.h)."""
+(a K x 16 panel row is one line): chosen by timing; nearer left the GEMM waiting on memory. The kernels' KILN_PREFETCH_LINES (csrc/panel.h)."""
 
 SOURCE = cpp_source.read("panel_linear.cpp")
 """The fp32 kernel's C++ (csrc/panel_linear.cpp), with its C entry point `kiln_panel_gemm`."""

@@ -94,9 +94,9 @@ def quantize_weight(w: torch.Tensor, dtype: torch.dtype,
     """A weight [N, K] -> (quantized [N, K], fp32 scale [N]): symmetric, one scale per output channel,
     codes in [-qmax, qmax] (default the dtype's: 127 for int8, 448 for fp8; W7A8 passes 63). The
     numbers of the per-token quant op, in fewer passes over the weight (it runs at load time, on
-    every projection): the max-abs as max(amax, -amin), without an |w| copy (vectorized reductions, 5x
+    every projection): the max-abs as max(amax, -amin), without an |w| copy (vectorized reductions,
     faster on CPU than the inf-norm), the rest a block of rows at a time, so the fp32 temporaries stay
-    in the CPU's caches (1.6x faster on a 9728 x 896 weight than whole-tensor passes)."""
+    in the CPU's caches."""
     qmax = qmax or (INT8_MAX if dtype == torch.int8 else FP8_MAX)
     s = (torch.maximum(w.amax(dim=-1), w.amin(dim=-1).neg()).float() / qmax).clamp_(min=_MIN_SCALE)
     out = torch.empty(w.shape, dtype=dtype, device=w.device)

@@ -168,7 +168,7 @@ def _sites(graph: fx.Graph, int8_kind: str = "int8") -> dict[Projection, list[tu
 
 def lm_head_choice(weight: torch.Tensor, tokens: Sequence[int], timer: Timer | None = None) -> GemmChoice:
     """The same decision for the LM head's weight, which runs outside the compiled graph: a panel GEMM
-    chosen for it ships as a library of its own (`kiln.compiler.head_library`)."""
+    chosen for it ships as a library of its own (`kiln.compiler.libraries`)."""
     return _measure(Projection("float", tuple(weight.shape), weight.dtype, False), tuple(tokens),
                     timer or _streamed_time, candidates=gemms.HEAD_CANDIDATES)
 

@@ -1,4 +1,4 @@
-"""The pass pipeline: kiln's passes in the fixed order of DESIGN.md section 4, plus the user's.
+"""The pass pipeline: kiln's passes in a fixed order (docs/passes.md), plus the user's.
 
 Order: no-op elimination, RMSNorm+quant, allreduce+RMSNorm(+quant), SiLU*Mul+quant, RoPE+KV write,
 attention+quant, user passes, lowering, dead code. Each pass's match count and time are reported; every pass's uuid (and which passes run) is part of the artifact key.

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP API (DESIGN.md section 7): the route table over an `AsyncEngine`, its
+"""The OpenAI-compatible HTTP API: the route table over an `AsyncEngine`, its
 OpenAPI schema, and `serve`, which runs it under uvicorn.
 
 Every error, from malformed JSON to a prompt longer than the context, is answered in OpenAI's error

@@ -1,4 +1,4 @@
-"""DESIGN.md section 3: the backbone traces as one graph, per-layer state enters as inputs, and
+"""docs/architecture.md, compile step 1: the backbone traces as one graph, per-layer state enters as inputs, and
 every middle decoder layer is the same graph (so the compiler can compile it once)."""
 
 import torch
