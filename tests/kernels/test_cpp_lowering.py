@@ -7,7 +7,7 @@ import torch
 
 from kiln.kernels import cpp_lowering, packed_linear, panel_linear
 from tests.cache_tools.test_commands import kiln_cache_cmd
-from tests.compiler.test_onednn_lowering import _library
+from tests.kernels.test_onednn_lowering import _library
 
 ops = torch.ops.kiln
 pytestmark = pytest.mark.skipif(not cpp_lowering.register() or panel_linear.available((32, 8), torch.float32),

@@ -9,7 +9,7 @@ from kiln.compiler import libraries, workers
 from kiln.compiler.aoti import LoadedLibrary
 from kiln.compiler.piece_cache import PieceCache
 from kiln.kernels import cpp_lowering, panel_linear
-from tests.compiler.test_panel_lowering import _codes
+from tests.kernels.test_cpp_lowering import _codes
 
 pytestmark = pytest.mark.skipif(
     not cpp_lowering.register() or panel_linear.available((96, 40), torch.int8) is not None,
