@@ -17,7 +17,7 @@ from kiln import LLM, SamplingParams
 from kiln.cli import main
 from kiln.compiler import artifact
 from kiln.compiler.key import cache_key
-from kiln.kernels import cpp_lowering, packed_linear, panel_linear
+from kiln.kernels import cpp_lowering, gemms, panel_linear
 from kiln.weights import pack_cache
 from kiln.models.demo import write_demo_model
 from tests.cache_tools.test_commands import kiln_cache_cmd
@@ -243,7 +243,7 @@ def test_an_interrupt_while_packing_is_one_line_and_leaves_nothing(panels, tmp_p
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(packed_linear, "pack", interrupted)
+    monkeypatch.setattr(gemms, "pack", interrupted)
     argv = ["generate", str(model), "--prompt", "x", "--require-artifact", "--cache-dir", str(cache)]
     assert main(argv) == 130
     err = capsys.readouterr().err

@@ -5,7 +5,7 @@ exactly, on the extreme codes)."""
 import pytest
 import torch
 
-from kiln.kernels import cpp_lowering, packed_linear, panel_linear
+from kiln.kernels import cpp_lowering, gemms, panel_linear
 from tests.cache_tools.test_commands import kiln_cache_cmd
 from tests.kernels.test_onednn_lowering import _library
 
@@ -152,7 +152,7 @@ def test_compiled_model_on_the_panel_gemm_decodes_like_eager(scheme, demo_dirs, 
     # the load packed into a file in the cache; a later one maps it and packs nothing
     compiled.engine.runner.forward.pack_file.wait()
     assert [f.name for f in (path.parent / "packed").iterdir()] == [compiled.engine.runner.forward.pack_file.path.name]
-    monkeypatch.setattr(packed_linear, "pack", lambda *args, **kwargs: pytest.fail("a load from the cache packed"))
+    monkeypatch.setattr(gemms, "pack", lambda *args, **kwargs: pytest.fail("a load from the cache packed"))
     again = LLM(demo_dirs["llama"], require_artifact=True, cache_dir=path.parent, quantization=scheme)
     assert again.engine.runner.forward.pack_file.hit
     assert len(again.engine.runner.forward.pack_file.slots) == 4 * layers + 1  # the projections and the head

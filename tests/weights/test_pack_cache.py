@@ -14,7 +14,7 @@ import weakref
 import pytest
 import torch
 
-from kiln.kernels import packed_linear, panel_linear
+from kiln.kernels import gemms, panel_linear
 from kiln.weights import pack_cache
 from kiln.weights.pack_cache import PackFile
 
@@ -56,7 +56,7 @@ def test_a_miss_packs_and_publishes_a_read_only_file_and_a_hit_reads_it_without_
     def no_packing(*args, **kwargs):
         raise AssertionError("a hit packs nothing")
 
-    monkeypatch.setattr(packed_linear, "pack", no_packing)
+    monkeypatch.setattr(gemms, "pack", no_packing)
     second = PackFile(tmp_path, IDENTITY, slots(weights))
     read = pack_all(second, weights)
     assert second.hit and second.path == first.path and second.read_bytes == sum(w.nbytes for w in weights.values())
