@@ -137,7 +137,7 @@ def test_fbgemm_head_in_row_blocks_gives_int_mm_numbers(monkeypatch, weight_max)
     """A head of more rows than FBGEMM_PACK_ROWS is packed and run in blocks (uneven ones too):
     the logits are torch._int_mm's, as from one weight."""
     monkeypatch.setattr(lm_head, "FBGEMM_PACK_ROWS", 128)
-    monkeypatch.setattr(packed_linear, "int8_gemm_exact", lambda: False)  # fbgemm even where oneDNN is exact
+    monkeypatch.setattr(packed_linear, "int8_gemm_exact", lambda *args: False)  # fbgemm even where oneDNN is exact
     torch.manual_seed(0)
     weight, hidden = torch.randn(500, 64), torch.randn(5, 64)
     blocked = Int8Head(weight, weight_max)
