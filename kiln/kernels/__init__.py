@@ -5,7 +5,7 @@ path). Importing this package registers them under `torch.ops.kiln`; on CPU the 
 each op's function directly (`_direct_cpu_kernels`).
 """
 
-from kiln.kernels import decode_attention  # noqa: F401  registers kiln::decode_attention with the ops below
+from kiln.kernels import decode_attention, panel_linear  # noqa: F401  register their ops with the ones below
 from kiln.kernels.activation import silu_and_mul
 from kiln.kernels.attention import AttentionMetadata, attention
 from kiln.kernels.attention_quant import attention_quant
