@@ -268,11 +268,6 @@ def pack(format: str, weight: torch.Tensor, out: torch.Tensor | None = None) -> 
         return candidate.pack(weight.detach(), out=out)
 
 
-def is_packed(weight: torch.Tensor) -> bool:
-    """Whether `weight` is an opaque packed form (oneDNN's or fbgemm's), not a plain tensor."""
-    return weight.layout == torch._mkldnn or hasattr(weight, "fbgemm_packed")
-
-
 def int8_head_kernel(seven_bit: bool = False) -> GemmCandidate | None:
     """The int8 GEMM an LM head runs on this CPU without measuring: oneDNN's where it is exact (VNNI
     or AMX), else fbgemm's (on 7-bit codes as they are, on 8-bit ones through split rows); None where
