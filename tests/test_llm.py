@@ -106,8 +106,18 @@ def test_stop_token_ids_and_length(demo_dirs):
     assert full.finish_reason == "length" and len(full.token_ids) == 10
     stop_at = full.token_ids[4]
     out = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at]))[0]
-    assert out.finish_reason == "stop"
-    assert out.token_ids == full.token_ids[: full.token_ids.index(stop_at) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+    cut = full.token_ids.index(stop_at)
+    assert out.token_ids == full.token_ids[: cut + 1]
+    before, through = (llm.tokenizer.decode(full.token_ids[:n]) for n in (cut, cut + 1))
+    assert out.text == before != through  # the stop token's text is left out (vLLM's rule)
+    kept = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_at],
+                                                     include_stop_str_in_output=True))[0]
+    assert kept.text == through and kept.stop_reason == stop_at
+    word = through[len(before) - 2:]  # a stop string ending in the stop token's text
+    by_string = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=10, temperature=0, stop=[word],
+                                                          include_stop_str_in_output=True))[0]
+    assert by_string.text == through and by_string.stop_reason == word
 
 
 def test_max_model_len_caps_generation(demo_dirs):

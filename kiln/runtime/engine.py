@@ -46,6 +46,9 @@ class RequestOutput:
     """The top-k alternatives at each prompt position, when SamplingParams.prompt_logprobs > 0."""
     prompt_ranks: list[int | None] | None = None
     """Each prompt token's rank in its position's distribution (1: the most likely)."""
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that ended the request (vLLM's field); None for EOS, a
+    completed grammar, or a length limit."""
     error: Exception | None = None
     """Why the request failed (finish reason "error"): a KilnError when the request itself cannot go on
     (every token masked, a grammar llguidance gives up on), another exception for a failure inside
@@ -158,6 +161,7 @@ class Engine:
                                             self.model_config.vocab_size, self.runner.device)
         seq.stops = StopStrings(params.stop) if params.stop else None
         seq.stop_ids = frozenset(params.stop_token_ids)
+        seq.stop_reason = None
         if params.structured_output is not None:
             seq.matcher = self.grammars.matcher(params.structured_output)
         if self.tokenizer is not None:
@@ -313,18 +317,25 @@ class Engine:
         seq.prompt_ranks += ranks
 
     def _check_stop(self, seq: Sequence, token: int, new_chars: int) -> tuple[str | None, int | None]:
-        """(finish reason or None, where a stop string cuts the text or None). A stop string not
-        found before must end in the `new_chars` characters this token added: only that tail is searched.
-        Before `min_tokens` tokens only the length limits stop a request."""
+        """(finish reason or None, where the text is cut or None). A stop string not found before must
+        end in the `new_chars` characters this token added: only that tail is searched. The text stops
+        before the stop string, or before the text of the stop token or EOS, unless the request says
+        `include_stop_str_in_output` (vLLM's rule). Before `min_tokens` tokens only the length limits
+        stop a request."""
         p = seq.params
         if len(seq.output_token_ids) < p.min_tokens:
             return ("length", None) if len(seq.token_ids) >= self.max_model_len else (None, None)
         if seq.stops is not None and new_chars:
-            cut = seq.stops.find(seq.detokenizer.text, new_chars)
-            if cut is not None:
-                return "stop", cut
-        if token in seq.stop_ids or (token in self.eos_token_ids and not p.ignore_eos):
-            return "stop", None
+            found = seq.stops.find(seq.detokenizer.text, new_chars)
+            if found is not None:
+                start, seq.stop_reason = found
+                return "stop", start + len(found[1]) if p.include_stop_str_in_output else start
+        stop_token = token in seq.stop_ids
+        if stop_token or (token in self.eos_token_ids and not p.ignore_eos):
+            seq.stop_reason = token if stop_token else None
+            if p.include_stop_str_in_output or seq.detokenizer is None:
+                return "stop", None
+            return "stop", len(seq.detokenizer.text) - new_chars
         if seq.matcher is not None and seq.matcher.done:
             return "stop", None
         if len(seq.output_token_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
@@ -353,6 +364,7 @@ class Engine:
             prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
             prompt_top_logprobs=list(seq.prompt_top_logprobs) if seq.params.prompt_logprobs else None,
             prompt_ranks=list(seq.prompt_ranks) if seq.params.prompt_logprobs is not None else None,
+            stop_reason=seq.stop_reason,
         )
 
 

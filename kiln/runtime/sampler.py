@@ -28,6 +28,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     """Stop strings: generation ends when one appears; the text is cut before it."""
     stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end generation; their text is left out of the output, as EOS's is."""
+    include_stop_str_in_output: bool = False
+    """Keep the stop string, or the stop token's text, at the end of the output (vLLM's field)."""
     ignore_eos: bool = False
     logprobs: int | None = None
     """None: no logprobs. 0: the chosen token's. k: also the k most likely tokens' at each step."""

@@ -17,15 +17,15 @@ class StopStrings:
         self.longest = self._by_length[-1][0] if self._by_length else 0
         """The longest stop string's length: a running request holds back this many characters less one."""
 
-    def find(self, text: str, new_chars: int) -> int | None:
-        """Where the earliest stop string that ends in the last `new_chars` characters of `text`
-        starts, or None. Stop strings that ended earlier were found when those characters came."""
-        first = None
+    def find(self, text: str, new_chars: int) -> tuple[int, str] | None:
+        """(where it starts, which) of the earliest stop string that ends in the last `new_chars`
+        characters of `text`, or None. Stop strings that ended earlier were found when those characters came."""
+        first: tuple[int, str] | None = None
         for end in range(len(text) - new_chars + 1, len(text) + 1):
             for length, strings in self._by_length:
                 start = end - length
                 if start < 0:
                     break
-                if (first is None or start < first) and text[start:end] in strings:
-                    first = start
+                if (first is None or start < first[0]) and text[start:end] in strings:
+                    first = start, text[start:end]
         return first

@@ -155,5 +155,7 @@ def test_stop_strings_are_found_where_a_search_of_each_finds_them():
             tail = len(text) - len(new)
             cuts = [i for i in (text.find(s, max(tail - len(s) + 1, 0)) for s in stop) if i >= 0]
             found = prepared.find(text, len(new))
-            assert found == (min(cuts) if cuts else None), (stop, text, new)
+            assert (found and found[0]) == (min(cuts) if cuts else None), (stop, text, new)
+            if found is not None:
+                assert text[found[0]:].startswith(found[1]) and found[1] in stop
         assert prepared.longest == max(map(len, stop))
