@@ -19,6 +19,7 @@ from kiln.runtime.engine import Engine, RequestOutput
 from kiln.runtime.lockstep import StepFeed
 from kiln.runtime.metrics import Metrics
 from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.scheduler import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,8 @@ class _Stream:
     arrival: float = field(default_factory=time.perf_counter)
     last_token: float | None = None
     generated: int = 0
+    scheduled: bool = False
+    """Whether the scheduler has admitted it into the running batch yet (its queue time is counted)."""
 
 
 class EngineUnavailable(Exception):
@@ -106,6 +109,9 @@ class AsyncEngine:
         self.request_timeout = request_timeout
         """Seconds a request may take from its arrival; None: no limit."""
         self.metrics = metrics or Metrics(model_name, engine.config.block_size, engine.scheduler.allocator.num_blocks)
+        engine.scheduler.on_running = self._scheduled
+        self._counted = self._scheduler_counts()
+        """The scheduler's counters as last exported (an engine that ran before this one is not counted)."""
         self.feed = feed
         """Under tensor parallelism: where the requests each step starts with go to the other ranks."""
         self._applied: list = []  # messages applied since the last step, for the feed
@@ -298,6 +304,20 @@ class AsyncEngine:
         except RuntimeError:  # the event loop is closed: nobody is listening
             pass
 
+    def _scheduled(self, seq: Sequence) -> None:
+        """The scheduler moved `seq` from waiting to running (on the engine thread, inside the step)."""
+        stream = self._streams.get(seq.request_id)
+        if stream is not None and not stream.scheduled:  # a preempted request's return is not queue time
+            stream.scheduled = True
+            self.metrics.scheduled(time.perf_counter() - stream.arrival)
+
+    def _scheduler_counts(self) -> tuple[int, int, int]:
+        scheduler = self.engine.scheduler
+        return scheduler.num_preemptions, scheduler.prefix_cache_queries, scheduler.prefix_cache_hits
+
     def _update_gauges(self) -> None:
         scheduler = self.engine.scheduler
         self.metrics.scheduler_state(len(scheduler.running), len(scheduler.waiting), scheduler.kv_usage)
+        counts = self._scheduler_counts()
+        self.metrics.scheduler_counts(*(now - before for now, before in zip(counts, self._counted)))
+        self._counted = counts

@@ -4,7 +4,12 @@ server, so tests and several servers in one process do not share counts.
 Each figure is exported twice: under kiln's names and under vLLM's (`vllm:num_requests_waiting`,
 `vllm:kv_cache_usage_perc`, ... labelled by `model_name`), so that routers and dashboards written for
 vLLM (the Gateway API Inference Extension, llm-d, Grafana boards) read kiln unchanged. The two are
-updated together, by the methods below, never one without the other."""
+updated together, by the methods below, never one without the other. Two vLLM names are older
+aliases of another figure, kept for the boards still reading them: `vllm:gpu_cache_usage_perc` (of
+`vllm:kv_cache_usage_perc`) and `vllm:time_per_output_token_seconds` (of
+`vllm:inter_token_latency_seconds`)."""
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401  (re-exported for the server)
@@ -30,11 +35,24 @@ class Metrics:
         self.running = Gauge("kiln_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("kiln_requests_waiting", "Requests queued for admission", registry=r)
         self.kv_cache_usage = Gauge("kiln_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", registry=r)
+        self.queue_time = Histogram("kiln_request_queue_time_seconds",
+                                    "From arrival to the scheduler's first admission into the running batch",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.preemptions = Counter("kiln_num_preemptions", "Sequences preempted for want of KV blocks", registry=r)
+        self.prefix_cache_queries = Counter("kiln_prefix_cache_queries",
+                                            "Tokens of admitted sequences looked up in the prefix cache", registry=r)
+        self.prefix_cache_hits = Counter("kiln_prefix_cache_hits", "Tokens found in the prefix cache", registry=r)
 
         self._vllm = {
             "running": Gauge("vllm:num_requests_running", "Requests in model execution batches", m, registry=r),
             "waiting": Gauge("vllm:num_requests_waiting", "Requests waiting to be processed", m, registry=r),
             "kv": Gauge("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent", m, registry=r),
+            "gpu_cache": Gauge("vllm:gpu_cache_usage_perc", "KV-cache usage; 1 means 100 percent (older name)", m,
+                               registry=r),
+            "preemptions": Counter("vllm:num_preemptions", "Cumulative number of preemptions", m, registry=r),
+            "prefix_queries": Counter("vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens", m,
+                                      registry=r),
+            "prefix_hits": Counter("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens", m, registry=r),
             "prompt": Counter("vllm:prompt_tokens", "Prefill tokens processed", m, registry=r),
             "generation": Counter("vllm:generation_tokens", "Generation tokens processed", m, registry=r),
             "success": Counter("vllm:request_success", "Finished requests", m + ["finished_reason"], registry=r),
@@ -42,6 +60,10 @@ class Metrics:
                               buckets=LATENCY_BUCKETS, registry=r),
             "itl": Histogram("vllm:inter_token_latency_seconds", "Inter-token latency", m,
                              buckets=LATENCY_BUCKETS, registry=r),
+            "tpot": Histogram("vllm:time_per_output_token_seconds", "Time per output token (older name of the "
+                              "inter-token latency)", m, buckets=LATENCY_BUCKETS, registry=r),
+            "queue": Histogram("vllm:request_queue_time_seconds", "Time spent in WAITING phase for request", m,
+                               buckets=LATENCY_BUCKETS, registry=r),
             "e2e": Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", m,
                              buckets=LATENCY_BUCKETS, registry=r),
             "request_prompt": Histogram("vllm:request_prompt_tokens", "Prompt tokens per finished request", m,
@@ -49,9 +71,16 @@ class Metrics:
             "request_generation": Histogram("vllm:request_generation_tokens", "Generated tokens per finished request",
                                             m, buckets=TOKEN_BUCKETS, registry=r),
         }
+        for name, metric in self._vllm.items():  # each series reads 0 before its first event, as in vLLM
+            if name != "success":
+                metric.labels(model_name=model_name)
         if block_size is not None:  # the routers' optional BlockSize, as vLLM reports it
             Gauge("vllm:cache_config_info", "Information of the KV-cache configuration",
                   ["block_size", "num_gpu_blocks"], registry=r).labels(str(block_size), str(num_blocks)).set(1)
+        # vLLM's LoRA gauge, as it reads with no adapters: kiln serves none, but boards and routers expect it.
+        Gauge("vllm:lora_requests_info", "Running stats on LoRA requests",
+              ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+              registry=r).labels("0", "", "").set(time.time())
 
     def _v(self, name: str, **labels: str):
         return self._vllm[name].labels(model_name=self.model_name, **labels)
@@ -70,6 +99,7 @@ class Metrics:
         else:
             self.inter_token_latency.observe(since_last)
             self._v("itl").observe(since_last)
+            self._v("tpot").observe(since_last)
 
     def finished(self, reason: str, latency: float | None = None, prompt_tokens: int = 0,
                  generation_tokens: int = 0) -> None:
@@ -82,11 +112,27 @@ class Metrics:
             self._v("request_prompt").observe(prompt_tokens)
             self._v("request_generation").observe(generation_tokens)
 
+    def scheduled(self, queue_time: float) -> None:
+        """A request entered the running batch for the first time, `queue_time` seconds after its arrival."""
+        self.queue_time.observe(queue_time)
+        self._v("queue").observe(queue_time)
+
     def scheduler_state(self, running: int, waiting: int, kv_usage: float) -> None:
         for kiln_gauge, vllm_name, value in ((self.running, "running", running), (self.waiting, "waiting", waiting),
                                              (self.kv_cache_usage, "kv", kv_usage)):
             kiln_gauge.set(value)
             self._v(vllm_name).set(value)
+        self._v("gpu_cache").set(kv_usage)
+
+    def scheduler_counts(self, preemptions: int, prefix_cache_queries: int, prefix_cache_hits: int) -> None:
+        """What the scheduler's counters grew by since the last call (they live in the scheduler, which
+        knows nothing of metrics)."""
+        for kiln_counter, vllm_name, value in ((self.preemptions, "preemptions", preemptions),
+                                               (self.prefix_cache_queries, "prefix_queries", prefix_cache_queries),
+                                               (self.prefix_cache_hits, "prefix_hits", prefix_cache_hits)):
+            if value:
+                kiln_counter.inc(value)
+                self._v(vllm_name).inc(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -4,6 +4,7 @@ run out, the most recently admitted sequence is preempted and later recomputed. 
 caching, a new sequence starts after the longest prefix of full blocks already in the cache."""
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -85,6 +86,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+        """Tokens of admitted sequences looked up in the prefix cache, and those found there (as vLLM
+        counts them: a sequence's every token, once per admission; only with prefix caching)."""
+        self.on_running: Callable[[Sequence], None] | None = None
+        """Called as a sequence moves from waiting to running (again after a preemption): the
+        server's queue-time metric."""
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -153,13 +160,19 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            if self.allocator.prefix_caching and seq.params.prompt_logprobs is None:  # those need every position
+            cached = self.allocator.prefix_caching and seq.params.prompt_logprobs is None  # those need every position
+            if cached:
                 self._reuse_prefix(seq)
             n = min(seq.num_pending, budget)
             if not self._reserve(seq, n):
                 self._release(seq)
                 break
             self.waiting.popleft()
+            if cached:  # counted on admission, not on each try that found no room
+                self.prefix_cache_queries += len(seq.token_ids)
+                self.prefix_cache_hits += seq.num_computed
+            if self.on_running is not None:
+                self.on_running(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
