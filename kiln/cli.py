@@ -305,8 +305,8 @@ def _server_config(args: argparse.Namespace):
     return ServerConfig(
         host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,
         request_timeout=args.request_timeout, api_key=args.api_key or os.environ.get("KILN_API_KEY") or None,
-        auth_exempt=tuple(args.auth_exempt or ()), ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-        ssl_ciphers=args.ssl_ciphers, allowed_origins=tuple(args.allowed_origins or ()),
+        api_key_scope=args.api_key_scope, auth_exempt=tuple(args.auth_exempt or ()), ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile, ssl_ciphers=args.ssl_ciphers, allowed_origins=tuple(args.allowed_origins or ()),
         **{name: getattr(args, name) for name, _, _ in _REQUEST_LIMITS})
 
 
@@ -521,10 +521,15 @@ def _add_serve_parser(sub) -> None:
         limits.add_argument("--" + name.replace("_", "-"), type=units(parse_size) if kind == "size" else kind,
                             default=default, metavar=metavar, help=f"{says} (default {default if isinstance(default, int) else f'{default:g}'})")
     security = srv.add_argument_group("security")
-    security.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on every request "
-                          "(else 401); default $KILN_API_KEY, else none")
+    security.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` (else 401) on the "
+                          "paths --api-key-scope names; default $KILN_API_KEY, else none")
+    security.add_argument("--api-key-scope", choices=["v1", "all"], default=ServerConfig.api_key_scope,
+                          help="v1: the API under /v1/ needs the key, as in vLLM (/health, /metrics, /docs, "
+                          "/openapi.json, /tokenize, /version stay open); all: every path but --auth-exempt ones "
+                          "(default %(default)s)")
     security.add_argument("--auth-exempt", action="append", choices=["/health", "/metrics"], metavar="PATH",
-                          help="serve /health or /metrics without the key (for probes and scrapers); repeatable")
+                          help="with --api-key-scope all: serve /health or /metrics without the key (for probes "
+                          "and scrapers); repeatable")
     security.add_argument("--ssl-keyfile", metavar="FILE", help="serve HTTPS with this private key (PEM)")
     security.add_argument("--ssl-certfile", metavar="FILE", help="... and this certificate chain (PEM)")
     security.add_argument("--ssl-ciphers", metavar="LIST", help="OpenSSL cipher list for TLS 1.2 (default: "

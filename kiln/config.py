@@ -3,7 +3,7 @@
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from kiln.errors import KilnError
 
@@ -217,8 +217,11 @@ class ServerConfig:
     compiling one takes time that grows faster than its size."""
     api_key: str | None = None
     """Clients must send `Authorization: Bearer <api_key>` (else 401); None: anyone may."""
+    api_key_scope: Literal["v1", "all"] = "v1"
+    """Which paths need the key: "v1", the API under /v1/ (vLLM's rule: /health, /metrics, /docs,
+    /openapi.json, /tokenize and /version stay open); "all", every path but `auth_exempt`."""
     auth_exempt: tuple[str, ...] = ()
-    """Paths (/health, /metrics) served without the key, for probes and scrapers."""
+    """With scope "all": paths (/health, /metrics) served without the key, for probes and scrapers."""
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     ssl_ciphers: str | None = None
@@ -240,6 +243,11 @@ class ServerConfig:
             raise KilnError("the API key is empty: give a non-empty --api-key (or KILN_API_KEY), or none")
         if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
             raise KilnError("TLS needs both --ssl-keyfile and --ssl-certfile")
+        if self.api_key_scope not in ("v1", "all"):
+            raise KilnError(f"api_key_scope must be v1 or all, got {self.api_key_scope!r}")
+        if self.auth_exempt and self.api_key_scope != "all":
+            raise KilnError("--auth-exempt goes with --api-key-scope all: under the default scope (v1) only /v1/ "
+                            "paths need the key, so /health and /metrics are open already")
         bad = [p for p in self.auth_exempt if p not in ("/health", "/metrics")]
         if bad:
             raise KilnError(f"only /health and /metrics can be exempt from the API key, not {', '.join(bad)}")

@@ -1,4 +1,11 @@
-"""Session-wide fixtures: tiny demo models are written once per test run and shared."""
+"""Session-wide fixtures: tiny demo models are written once per test run and shared.
+
+Writing them trains each for a few minutes; `KILN_TEST_DEMO_CACHE=DIR` copies them from DIR instead
+(written there on first use), for quick runs of a few tests while developing."""
+
+import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +17,16 @@ from kiln.models.demo import DEMO_ARCHS, write_demo_model
 def demo_dirs(tmp_path_factory) -> dict:
     """One tiny model per supported architecture (GQA, odd heads, tied/untied, llama3 rope)."""
     root = tmp_path_factory.mktemp("demo")
-    return {arch: write_demo_model(root / arch, arch=arch) for arch in DEMO_ARCHS}
+    cache = os.environ.get("KILN_TEST_DEMO_CACHE")
+    if not cache:
+        return {arch: write_demo_model(root / arch, arch=arch) for arch in DEMO_ARCHS}
+    dirs = {}
+    for arch in DEMO_ARCHS:
+        kept = Path(cache) / arch
+        if not kept.is_dir():
+            write_demo_model(kept.with_name("." + arch), arch=arch).rename(kept)
+        dirs[arch] = Path(shutil.copytree(kept, root / arch))
+    return dirs
 
 
 @pytest.fixture(scope="session")

@@ -128,7 +128,7 @@ def test_serve_over_https_with_an_api_key_and_cors(demo_dirs, kiln_cache, llama_
     cmd = [sys.executable, "-m", "kiln", "-v", "serve", str(demo_dirs["llama"]), "--port", str(port),
            "--cache-dir", str(kiln_cache), "--require-artifact", "--served-model-name", "m",
            "--ssl-keyfile", str(tmp_path / "key.pem"), "--ssl-certfile", str(tmp_path / "cert.pem"),
-           "--allowed-origins", "https://app.example", "--auth-exempt", "/health"]
+           "--allowed-origins", "https://app.example", "--api-key-scope", "all", "--auth-exempt", "/health"]
     env = {**os.environ, "KILN_API_KEY": "s3cret"}
     with serving(cmd, port, tmp_path / "serve.log", env=env, scheme="https", verify=trust) as url:
         # clients are closed before the server stops: TLS waits up to 30 s for an open one to say goodbye
@@ -147,7 +147,9 @@ def test_serve_over_https_with_an_api_key_and_cors(demo_dirs, kiln_cache, llama_
         assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "https://app.example"
         other = httpx.options(url + "/v1/completions", verify=trust, headers={"Origin": "https://evil.example", **preflight})
         assert "access-control-allow-origin" not in other.headers
-        assert httpx.get(url + "/metrics", verify=trust).status_code == 401
+        assert httpx.get(url + "/metrics", verify=trust).status_code == 401  # scope all: every path but /health
+        assert httpx.get(url + "/openapi.json", verify=trust).status_code == 401
+        assert httpx.get(url + "/health", verify=trust).status_code == 200
         # TLS 1.2 offers the AEAD suites (uvicorn's old default, the cipher string "TLSv1", offered only CBC-SHA1)
         tls12 = ssl.create_default_context()
         ca.configure_trust(tls12)
@@ -165,6 +167,8 @@ def test_serve_refuses_bad_security_options_before_loading(demo_dirs, tmp_path):
     assert "Traceback" not in proc.stderr
     proc = kiln("serve", demo_dirs["llama"], "--auth-exempt", "/v1/models", check=False)
     assert proc.returncode == 2 and "--auth-exempt" in proc.stderr
+    proc = kiln("serve", demo_dirs["llama"], "--api-key", "k", "--auth-exempt", "/metrics", check=False)
+    assert proc.returncode == 1 and "--api-key-scope all" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_serve_without_an_artifact_when_one_is_required(demo_dirs, tmp_path):

@@ -9,10 +9,32 @@ from tokenizers import Tokenizer as HFTokenizer
 from kiln.errors import KilnError
 
 FALLBACK_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if tools %}System: To call a function, answer with <tool_call>{\"name\": NAME, \"arguments\": "
+    "ARGUMENTS}</tool_call> for each call. The functions:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "{% endif %}"
+    "{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message.name %} ({{ message.name }}){% endif %}: {{ message['content'] }}"
+    "{% for call in message.tool_calls or [] %}<tool_call>"
+    "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}</tool_call>{% endfor %}"
+    "{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
-"""For models whose tokenizer_config.json has no chat_template: "Role: content" lines, then "Assistant:"."""
+"""For models whose tokenizer_config.json has no chat_template: "Role: content" lines ("Role (name):" with
+a name), then "Assistant:";
+tools and tool calls in the Hermes `<tool_call>` format that `kiln.server.tool_calls` parses."""
+
+
+def _tojson(value, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    """transformers' `tojson` for chat templates: plain JSON, where Jinja's own escapes HTML characters."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    """transformers' template global (Llama 3.1's template dates its system prompt)."""
+    import datetime
+
+    return datetime.datetime.now().strftime(format)
 
 
 class TooManyTokens(KilnError):
@@ -88,11 +110,22 @@ class Tokenizer:
             raise TooManyTokens(len(encoding), max_tokens)
         return encoding.ids
 
+    def token_string(self, token_id: int) -> str:
+        """The vocabulary's string for one id (byte-level tokens as stored, e.g. "Ġthe")."""
+        return self._tok.id_to_token(token_id) or ""
+
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a chat, rendered like transformers does (sandboxed Jinja)."""
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template reads the `tools` it is given (else tool definitions would be dropped)."""
+        return "tools" in self.chat_template
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The prompt text for a chat, rendered like transformers does (sandboxed Jinja, its `tojson`
+        and `strftime_now`); `tools` as JSON-schema function definitions, as transformers passes them."""
         from jinja2 import TemplateError
 
         if self._render is None:
@@ -102,11 +135,16 @@ class Tokenizer:
                 raise TemplateError(message)
 
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = raise_exception
+            env.globals.update(raise_exception=raise_exception, strftime_now=_strftime_now)
+            env.filters["tojson"] = _tojson
             self._render = env.from_string(self.chat_template).render
+        if tools and not self.renders_tools:
+            raise KilnError("this model's chat template does not render tools, so the model would never see "
+                            "them: tool calling needs a template that does (Qwen2.5's, Hermes')")
         specials = {k: _token_text(self._config.get(k)) or "" for k in ("bos_token", "eos_token")}
         try:
-            return self._render(messages=messages, add_generation_prompt=add_generation_prompt, **specials)
+            return self._render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools or None,
+                                **specials)
         except TemplateError as e:
             raise KilnError(f"the chat template refused these messages: {e}") from None
 

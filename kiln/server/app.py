@@ -18,6 +18,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from kiln import __version__
 from kiln.config import ServerConfig
 from kiln.errors import KilnError
 from kiln.runtime.async_engine import AsyncEngine
@@ -25,10 +26,11 @@ from kiln.runtime.lockstep import StepFeed
 from kiln.runtime.metrics import CONTENT_TYPE
 from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.tokenizer import Tokenizer
-from kiln.server.errors import ApiKeyMiddleware, KilnJSONResponse, add_error_handlers, error
+from kiln.server.errors import ApiKeyMiddleware, KilnJSONResponse, add_error_handlers, error, needs_key
 from kiln.server.http_limits import BodyLimit, guarded_protocol
-from kiln.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
-from kiln.server.serving import Server, chat, complete, read_body
+from kiln.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
+                                  TokenizeRequest)
+from kiln.server.serving import Server, chat, complete, off_loop, read_body
 
 logger = logging.getLogger(__name__)
 
@@ -74,16 +76,18 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_m
 
     app = FastAPI(title="kiln", summary="OpenAI-compatible completions over compiled kiln artifacts",
                   lifespan=lifespan, default_response_class=KilnJSONResponse)
-    app.state.server = Server(engine, tokenizer, model_name, max_model_len, config)
+    vocab = getattr(getattr(engine, "engine", None), "model_config", tokenizer).vocab_size  # the engine's bound
+    app.state.server = Server(engine, tokenizer, model_name, max_model_len, config, vocab)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes, timeout=config.body_timeout)
     if config.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, key=config.api_key, exempt=config.auth_exempt)
+        app.add_middleware(ApiKeyMiddleware, key=config.api_key, scope=config.api_key_scope,
+                           exempt=config.auth_exempt)
     if config.allowed_origins:  # outermost: a browser's preflight carries no key
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])
     add_error_handlers(app)
     _add_routes(app)
-    app.openapi = _openapi(app, model_name, config)
+    app.openapi = _openapi(app, model_name, max_model_len, vocab, config)
     return app
 
 
@@ -91,7 +95,10 @@ def _add_routes(app: FastAPI) -> None:
     """The route table; each route finds its `Server` on the app's state."""
     app.add_api_route("/health", health, methods=["GET"],
                       responses={200: {"description": "the engine serves"}, **_errors(405, 503)})
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)  # probes that send HEAD
+    app.add_api_route("/version", version, methods=["GET"], responses=_errors(405))
     app.add_api_route("/v1/models", models, methods=["GET"], responses=_errors(405))
+    app.add_api_route("/v1/models/{model_id:path}", model, methods=["GET"], responses=_errors(404, 405))
     app.add_api_route("/metrics", metrics, methods=["GET"], response_class=Response, responses={
         200: {"description": "Prometheus text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}},
         **_errors(405)})
@@ -99,6 +106,10 @@ def _add_routes(app: FastAPI) -> None:
                       openapi_extra=_body_schema(CompletionRequest))
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"], responses=GENERATION_RESPONSES,
                       openapi_extra=_body_schema(ChatCompletionRequest))
+    app.add_api_route("/tokenize", tokenize, methods=["POST"], responses=_errors(400, 404, 405, 408, 413),
+                      openapi_extra=_body_schema(TokenizeRequest))
+    app.add_api_route("/detokenize", detokenize, methods=["POST"], responses=_errors(400, 404, 405, 408, 413),
+                      openapi_extra=_body_schema(DetokenizeRequest))
 
 
 def _server(request: Request) -> Server:
@@ -116,10 +127,18 @@ async def health(request: Request) -> Response:  # 200 while the engine thread r
     return KilnJSONResponse({"status": "ok"})
 
 
+async def version(request: Request) -> dict:  # kiln's version, as vLLM's /version gives its own
+    return {"version": __version__}
+
+
 async def models(request: Request) -> dict:  # the one model served, in OpenAI's list shape
+    return {"object": "list", "data": [_server(request).model_card()]}
+
+
+async def model(request: Request, model_id: str) -> dict:  # the openai client's models.retrieve
     server = _server(request)
-    return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
-                                        "owned_by": "kiln", "max_model_len": server.max_model_len}]}
+    server.check_model(model_id)
+    return server.model_card()
 
 
 async def metrics(request: Request) -> Response:  # Prometheus text
@@ -134,9 +153,21 @@ async def chat_completions(request: Request) -> Response:  # as completions
     return await chat(_server(request), await read_body(request, ChatCompletionRequest), request)
 
 
-def _openapi(app: FastAPI, model_name: str, config: ServerConfig) -> Callable[[], dict]:
+async def tokenize(request: Request) -> Response:  # vLLM's: text or a chat -> token ids
+    server = _server(request)
+    return KilnJSONResponse(await off_loop(server.tokenize, await read_body(request, TokenizeRequest)))
+
+
+async def detokenize(request: Request) -> Response:  # vLLM's: token ids -> text
+    server = _server(request)
+    return KilnJSONResponse(await off_loop(server.detokenize, await read_body(request, DetokenizeRequest)))
+
+
+def _openapi(app: FastAPI, model_name: str, max_model_len: int, vocab_size: int, config: ServerConfig
+             ) -> Callable[[], dict]:
     """FastAPI's schema without its 422s (bad input is answered 400 in OpenAI's shape instead), with the
-    request bodies the routes parse themselves, and with `model` naming the one model served."""
+    request bodies the routes parse themselves, `model` naming the one model served, and the bounds this
+    model sets (max_tokens within the context, token ids within the vocabulary)."""
     generate_schema = app.openapi
 
     def openapi() -> dict:
@@ -144,11 +175,22 @@ def _openapi(app: FastAPI, model_name: str, config: ServerConfig) -> Callable[[]
             return app.openapi_schema
         schema = generate_schema()
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (CompletionRequest, ChatCompletionRequest):
-            found = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        for body in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest):
+            found = body.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(found.pop("$defs", {}))
-            components[model.__name__] = found
-            found["properties"]["model"]["enum"] = [model_name]
+            components[body.__name__] = found
+            named = found["properties"]["model"]
+            if "anyOf" in named:  # optional: the one model's name or null
+                named["anyOf"] = [{"type": "string", "enum": [model_name]}, {"type": "null"}]
+            else:
+                named["enum"] = [model_name]
+            for field in ("prompt", "stop_token_ids", "tokens"):
+                _bound_integers(found["properties"].get(field, {}), 0, vocab_size - 1)
+        for body, field in (("CompletionRequest", "max_tokens"), ("ChatCompletionRequest", "max_tokens"),
+                            ("ChatCompletionRequest", "max_completion_tokens")):
+            _bound_integers(components[body]["properties"][field], 0, max_model_len - 1)  # a prompt takes 1 at least
+        for parameter in schema["paths"]["/v1/models/{model_id}"]["get"]["parameters"]:
+            parameter["schema"]["enum"] = [model_name]
         for component in components.values():  # as FastAPI writes them: an absent field, not a null default
             for field in component.get("properties", {}).values():
                 if "default" in field and field["default"] is None:
@@ -161,7 +203,7 @@ def _openapi(app: FastAPI, model_name: str, config: ServerConfig) -> Callable[[]
         if config.api_key is not None:
             schema["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
             for path, operations in schema["paths"].items():
-                if path in config.auth_exempt:
+                if not needs_key(path, config.api_key_scope, config.auth_exempt):
                     continue
                 for operation in operations.values():
                     operation["security"] = [{"apiKey": []}]
@@ -172,6 +214,18 @@ def _openapi(app: FastAPI, model_name: str, config: ServerConfig) -> Callable[[]
         return schema
 
     return openapi
+
+
+def _bound_integers(schema, low: int, high: int) -> None:
+    """Every integer in `schema` (token ids, however nested) within [low, high]."""
+    if isinstance(schema, dict):
+        if schema.get("type") == "integer":
+            schema["minimum"], schema["maximum"] = max(schema.get("minimum", low), low), high
+        for value in schema.values():
+            _bound_integers(value, low, high)
+    elif isinstance(schema, list):
+        for value in schema:
+            _bound_integers(value, low, high)
 
 
 def warm_up(llm) -> None:

@@ -39,16 +39,24 @@ def error(status: int, message: str, kind: str = "invalid_request_error", param:
     return KilnJSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
 
 
+def needs_key(path: str, scope: str, exempt: tuple[str, ...] = ()) -> bool:
+    """Whether `path` needs the API key: under scope "v1" the API under /v1/ (vLLM's rule), under
+    "all" every path but the exempt ones."""
+    if scope == "v1":
+        return path == "/v1" or path.startswith("/v1/")
+    return path not in exempt
+
+
 class ApiKeyMiddleware:
     """Answers 401 in OpenAI's shape to a request without `Authorization: Bearer <key>`, before its
-    body is read; `exempt` paths pass (probes, scrapers). Pure ASGI: streaming and disconnects pass
+    body is read, on the paths that need it (`needs_key`). Pure ASGI: streaming and disconnects pass
     through untouched."""
 
-    def __init__(self, app, key: str, exempt: tuple[str, ...] = ()):
-        self.app, self._key, self._exempt = app, key.encode(), set(exempt)
+    def __init__(self, app, key: str, scope: str = "v1", exempt: tuple[str, ...] = ()):
+        self.app, self._key, self._scope, self._exempt = app, key.encode(), scope, tuple(exempt)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in self._exempt:
+        if scope["type"] != "http" or not needs_key(scope["path"], self._scope, self._exempt):
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = given.partition(b" ")

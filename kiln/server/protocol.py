@@ -8,22 +8,45 @@ lone surrogate escape (text no tokenizer can take) and gives positions for malfo
 import json
 import math
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kiln.errors import KilnError
 from kiln.runtime.sampler import SEED_MAX, SEED_MIN, SamplingParams
 from kiln.runtime.structured_output import StructuredOutput
 
+def _whole(value):
+    """JSON has one number type: 5.0 is the integer 5 (JSON Schema says so), though 5.5 and "5" are not."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**bounds):
+    """An integer field within `bounds` (ge, le): strict, but a whole number written with a decimal point
+    is taken. The bounds come before the validator, so that the schema states them."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_whole)]
+
+
+Int = integer()
+NonEmptyText = Annotated[str, Field(min_length=1)]
+
 TOKEN_ID = re.compile(r"[0-9]{1,10}")
 """A token id as a JSON object key (logit_bias): ASCII digits only, short enough for any vocabulary."""
+TokenIdKey = Annotated[str, Field(pattern=f"^{TOKEN_ID.pattern}$")]
+
+
+def _only_token_id_keys(schema: dict) -> None:
+    """pydantic states the key pattern as `patternProperties`, which lets other keys through: close it."""
+    for kind in schema.get("anyOf", [schema]):
+        if "patternProperties" in kind:
+            kind["additionalProperties"] = False
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM's: usage so far in every chunk")
 
 
 class JsonSchemaFormat(BaseModel):
@@ -48,15 +71,40 @@ class ResponseFormat(BaseModel):
         return self
 
 
-class StructuredOutputs(BaseModel):
-    """vLLM's `structured_outputs`: exactly one of its constraints."""
+_NULL = {"type": "null"}
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+
+def _at_most_one(free: dict[str, dict], branch: dict[str, dict] | None = None) -> dict:
+    """JSON Schema: at most one field of `free` is other than its schema there (what asks for nothing);
+    `branch` adds what must hold when that one is a given field. Written as branches, all fields free but
+    one, which schemathesis' canonicalizer expands (it gives up on if/then chains or pairs of six)."""
+    return {"anyOf": [{"properties": {g: s for g, s in free.items() if g != f},
+                       **({"allOf": [(branch or {})[f]]} if f in (branch or {}) else {})} for f in free]}
+
+
+def _unless(field: str, then: dict) -> dict:
+    """JSON Schema: `field` absent or null, or `then`."""
+    return {"anyOf": [{"properties": {field: _NULL}}, then]}
+
+
+def _true(field: str) -> dict:
+    return {"required": [field], "properties": {field: {"const": True}}}
+
+
+_FREE_STRUCTURED = {"json": _NULL, "regex": _NULL, "choice": _NULL, "grammar": _NULL,
+                    "json_object": {"not": {"const": True}}}
+"""structured_outputs' fields when they constrain nothing."""
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: at most one of its constraints (the schema says so too)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_at_most_one(_FREE_STRUCTURED))
 
     json_: dict | str | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = Field(None, min_length=1)
-    grammar: str | None = None
+    grammar: str | None = Field(None, min_length=1)
     json_object: bool | None = None
 
 
@@ -66,38 +114,52 @@ def _constraint(kind: str, value) -> StructuredOutput:
     return StructuredOutput(kind, tuple(value) if kind == "choice" else value)
 
 
+_FREE = {"min_tokens": {"maximum": 0},  # a grammar decides where its output ends
+         "response_format": {"anyOf": [_NULL, {"type": "object", "properties": {"type": {"const": "text"}}}]},
+         "structured_outputs": {"anyOf": [_NULL, {"type": "object", "properties": _FREE_STRUCTURED}]},
+         **{f"guided_{k}": _NULL for k in ("json", "regex", "choice", "grammar")}}
+"""Each way of constraining the output (min_tokens among them: it and a grammar cannot both decide where
+the output ends), when it asks for nothing: a request gives at most one other."""
+
+_STREAM_OPTIONS_RULE = _unless("stream_options", _true("stream"))
+
+
 class SamplingRequest(BaseModel):
     """Fields completions and chat share. A field kiln does not implement is refused with a 400
     naming it (`extra="forbid"`): accepted and ignored, it would give wrong answers silently. JSON's
-    NaN and Infinity extensions are refused too (`allow_inf_nan`)."""
+    NaN and Infinity extensions are refused too (`allow_inf_nan`). The schema states the one-constraint
+    rule, so that a client generating requests from it (schemathesis) sends only valid ones."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False,
+                              json_schema_extra={"allOf": [_at_most_one(_FREE), _STREAM_OPTIONS_RULE]})
 
     model: str
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
+    top_k: integer(ge=-1) = -1
     min_p: float = Field(0.0, ge=0, le=1)
-    n: int = Field(1, ge=1, le=16)
+    n: integer(ge=1, le=16) = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX, description="choice i uses seed + i")
+    stop: NonEmptyText | list[NonEmptyText] | None = None
+    stop_token_ids: list[Int] | None = None
+    seed: integer(ge=SEED_MIN, le=SEED_MAX) | None = Field(None, description="choice i uses seed + i")
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = Field(False, description="vLLM's: keep the stop string or stop token's "
+                                             "text at the end of the output")
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, ge=0.01, le=100)
-    logit_bias: dict[str, float] | None = Field(None, description="token id (a string, as in JSON) -> bias in "
-                                                "[-100, 100]")
-    min_tokens: int = Field(0, ge=0)
+    logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, description="token id (a string, as in JSON) -> bias", json_schema_extra=_only_token_id_keys)
+    min_tokens: integer(ge=0) = 0
     user: str | None = Field(None, description="an end-user id for the logs; it changes no output")
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict | str | None = Field(None, description="vLLM's: a JSON schema the output matches")
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1)
-    guided_grammar: str | None = Field(None, description="a Lark or GBNF grammar")
+    guided_grammar: str | None = Field(None, min_length=1, description="a Lark or GBNF grammar")
 
     def structured_output(self) -> StructuredOutput | None:
         """The one output constraint the request asks for, whichever field it came in."""
@@ -141,7 +203,8 @@ class SamplingRequest(BaseModel):
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
             seed=None if self.seed is None else self.seed + index, stop=stop,
-            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             logit_bias={int(t): v for t, v in (self.logit_bias or {}).items()}, min_tokens=min(self.min_tokens, max_tokens),
@@ -149,29 +212,47 @@ class SamplingRequest(BaseModel):
         )
 
     @model_validator(mode="after")
-    def _check_biases_and_seed(self):
-        if any(not -100 <= v <= 100 for v in (self.logit_bias or {}).values()):
-            raise ValueError("logit_bias values must be in [-100, 100]")
-        if any(not TOKEN_ID.fullmatch(t) for t in self.logit_bias or {}):
-            raise ValueError("logit_bias keys must be token ids (non-negative integers of at most 10 digits)")
+    def _check_sampling(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options needs stream: true")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX - (self.sequences - 1):
             raise ValueError(f"seed must be a signed 64-bit integer, in [{SEED_MIN}, {SEED_MAX}], and choice i "
                              f"uses seed + i: with {self.sequences} choices at most {SEED_MAX - (self.sequences - 1)}")
         return self
 
 
+TokenIds = Annotated[list[Int], Field(min_length=1)]
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0, description="0 only with echo: score the prompt, generate nothing")
-    logprobs: int | None = Field(None, ge=0, le=20)
+    model_config = ConfigDict(json_schema_extra={"allOf": [_at_most_one(_FREE), {"anyOf": [  # what may stream
+        {"required": ["stream"], "properties": {"stream": {"const": True}, "prompt_logprobs": _NULL,
+                                                "max_tokens": {"not": {"const": 0}}}},
+        {"properties": {"stream": {"not": {"const": True}}, "stream_options": _NULL,
+                        "max_tokens": {"not": {"const": 0}}}},
+        {"required": ["echo"], "properties": {"stream": {"not": {"const": True}}, "stream_options": _NULL,
+                                              "echo": {"const": True}}}]}]})
+    prompt: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] | TokenIds | \
+        Annotated[list[TokenIds], Field(min_length=1)] = Field(description="text, texts, token ids or lists of "
+                                                                "them; none empty")
+    max_tokens: integer(ge=0) | None = Field(16, description="0 only with echo: score the prompt, generate nothing")
+    logprobs: integer(ge=0, le=20) | None = None
     echo: bool = Field(False, description="the prompt before the completion, with its logprobs if logprobs is set")
-    best_of: int | None = Field(None, ge=1, le=16, description="sample this many, return the n most likely")
-    prompt_logprobs: int | None = Field(None, ge=0, le=20, description="vLLM's: logprobs of the prompt tokens")
-    suffix: str | None = Field(None, description="not supported: only null or empty")
+    best_of: integer(ge=1, le=16) | None = Field(None, description="sample this many, return the n most likely")
+    prompt_logprobs: integer(ge=0, le=20) | None = Field(None, description="vLLM's: logprobs of the prompt tokens")
+    suffix: str | None = Field(None, max_length=0, description="not supported: only null or empty")
 
     @property
     def sequences(self) -> int:
         return self.best_of or self.n
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _not_empty(cls, prompt):
+        """Before the union's own checks, which would name each type the empty prompt is not."""
+        if prompt in ("", []) or (isinstance(prompt, list) and any(p in ("", []) for p in prompt)):
+            raise ValueError("the prompt is empty: give text or at least one token id")
+        return prompt
 
     @model_validator(mode="after")
     def _check(self):
@@ -190,32 +271,173 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["text"]
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+    arguments: str = Field(description="the arguments as a JSON text, as the model wrote them")
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made earlier in the conversation, sent back with the tool's result."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"anyOf": [
+        {"properties": {"role": {"const": "assistant"}, "tool_call_id": _NULL}},
+        {"properties": {"role": {"const": "tool"}, "tool_calls": _NULL}},
+        {"properties": {"tool_calls": _NULL, "tool_call_id": _NULL}}]})
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = Field(None, description="the participant's name, passed to the chat template")
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant message's calls")
+    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not {self.role} ones")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"tool_call_id belongs to tool messages, not {self.role} ones")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
+    def for_template(self) -> dict:
+        """The message as chat templates read it (transformers' shape): a call's arguments as an object."""
+        message: dict = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = Field(None, description="a JSON schema of the arguments (default: any object)")
+    strict: bool | None = Field(None, description="kiln holds required and named calls to the schema always")
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: NamedFunction
+
 
 class ChatCompletionRequest(SamplingRequest):
+    model_config = ConfigDict(json_schema_extra={"allOf": [  # a required or named call is one more constraint
+        _at_most_one({**_FREE, "tool_choice": {"enum": ["none", "auto", None]}},
+                     {"tool_choice": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}),
+        _STREAM_OPTIONS_RULE, _unless("top_logprobs", _true("logprobs"))]})
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: integer(ge=1) | None = None
+    max_completion_tokens: integer(ge=1) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict] | None = Field(None, max_length=0, description="not supported: only null or empty")
-    tool_choice: Literal["none"] | None = None
+    top_logprobs: integer(ge=0, le=20) | None = Field(None, description="only with logprobs true")
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: auto with tools, none without; required and named calls are held to "
+        "the tools' schemas by the grammar engine")
+    parallel_tool_calls: bool = Field(True, description="false: at most one call per answer")
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required, or the named function's name."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return choice.function.name
+        return choice or ("auto" if self.tools else "none")
+
+    @model_validator(mode="after")
+    def _check_chat(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
+            names = [t.function.name for t in self.tools or ()]
+            if not names:
+                raise ValueError("tool_choice required or a named function needs tools")
+            if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names `{self.tool_choice.function.name}`, which is not among the "
+                                 f"tools ({', '.join(names)})")
+        return self
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or a chat rendered by the chat template first."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"anyOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": _NULL,
+                                                "add_generation_prompt": _NULL, "tools": _NULL}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": _NULL}}]})
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = Field(None, description="default: true for a prompt, false for messages "
+                                            "(the template writes them)")
+    add_generation_prompt: bool | None = Field(None, description="messages only; default true")
+    tools: list[Tool] | None = Field(None, max_length=128, description="messages only")
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _check(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give prompt or messages, one of them")
+        if self.prompt is not None and (self.add_generation_prompt is not None or self.tools is not None):
+            raise ValueError("add_generation_prompt and tools go with messages, not prompt")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    tokens: list[integer(ge=0)]
 
 
 class ErrorDetail(BaseModel):
@@ -232,10 +454,15 @@ class ErrorResponse(BaseModel):
 
 
 def validation_message(error: ValidationError, model: type[BaseModel]) -> tuple[str, str | None]:
-    """(message, param) for the first problem pydantic found in a `model` request body. A check of the
-    whole body names its field first ("seed must be ..."), which becomes the param."""
-    first = error.errors()[0] if error.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    """(message, param) for the problem pydantic found in a `model` request body: the deepest one (of a
+    union's members the one that got furthest, e.g. an unknown key in a content part), else the first.
+    A check of the whole body names its field first ("seed must be ..."), which becomes the param."""
+
+    def place(e: dict) -> list[str]:  # a key as the client sent it may be long: cut
+        return [str(p)[:40] for p in e.get("loc", ()) if p != "body" and not _union_tag(p)]
+
+    first = max(error.errors(), key=lambda e: len(place(e)), default={})
+    loc = place(first)
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON ({first.get('msg', '')})", None
     param = ".".join(loc) or None
@@ -247,6 +474,12 @@ def validation_message(error: ValidationError, model: type[BaseModel]) -> tuple[
         named = message.split(" ", 1)[0]
         return message, named if named in model.model_fields else None
     return f"{param}: {message}", param
+
+
+def _union_tag(part) -> bool:
+    """pydantic's name of the union member an error is about ("constrained-str", "list[int]", "str"): not
+    a place in the body."""
+    return isinstance(part, str) and (any(c in part for c in "[]-") or part in ("str", "int", "float", "bool", "dict"))
 
 
 LOGPROB_FLOOR = -9999.0

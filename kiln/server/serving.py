@@ -25,9 +25,10 @@ from kiln.runtime.async_engine import AsyncEngine, RequestStream
 from kiln.runtime.engine import RequestOutput
 from kiln.runtime.structured_output import StructuredOutput
 from kiln.runtime.tokenizer import Tokenizer, TooManyTokens
+from kiln.server import tool_calls
 from kiln.server.errors import ServerError, stream_error
-from kiln.server.protocol import (ChatCompletionRequest, CompletionRequest, SamplingRequest, StreamOptions, to_json,
-                                  validation_message)
+from kiln.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice,
+                                  SamplingRequest, StreamOptions, TokenizeRequest, to_json, validation_message)
 
 logger = logging.getLogger(__name__)
 Body = TypeVar("Body", bound=BaseModel)
@@ -40,8 +41,10 @@ class Server:
     """Turns API requests into engine requests and engine outputs into API responses."""
 
     def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_model_len: int,
-                 config: ServerConfig | None = None):
+                 config: ServerConfig | None = None, vocab_size: int | None = None):
         self.engine, self.tokenizer = engine, tokenizer
+        self.vocab_size = vocab_size or tokenizer.vocab_size
+        """The model's vocabulary, which token ids must fall in (the tokenizer's may be smaller)."""
         self.model_name, self.max_model_len = model_name, max_model_len
         self.config = config or ServerConfig()
         self.created = int(time.time())
@@ -72,9 +75,15 @@ class Server:
             _cap("choices", len(choices or ()), c.max_choices, "--max-choices")
 
     def constraint(self, body: SamplingRequest) -> StructuredOutput | None:
-        """The request's output constraint, within the size cap (llguidance's compile time grows
-        faster than the grammar)."""
+        """The request's output constraint (a required or named tool call's among them), within the size
+        cap (llguidance's compile time grows faster than the grammar)."""
         found = body.structured_output()
+        if isinstance(body, ChatCompletionRequest) and body.tools:
+            calls = tool_calls.constraint(body.tools, body.tool_mode, body.parallel_tool_calls)
+            if calls is not None and found is not None:
+                raise KilnError("tool_choice required or named constrains the output already: leave out "
+                                "response_format, structured_outputs and guided_*")
+            found = calls or found
         if found is not None:
             size = sum(len(s.encode()) for s in found.spec) if found.kind == "choice" else len(found.spec.encode())
             _cap(f"bytes of {found.kind} constraint", size, self.config.max_grammar_bytes, "--max-grammar-bytes")
@@ -101,7 +110,8 @@ class Server:
         return [(list(p), None) for p in prompt]
 
     def chat_prompt(self, body: ChatCompletionRequest) -> Prompt:
-        text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        text = self.tokenizer.apply_chat_template([m.for_template() for m in body.messages], tools=tools)
         return self.encode(text, add_special_tokens=False), text
 
     async def start(self, prompts: list[Prompt], request: SamplingRequest, max_tokens: int | None,
@@ -115,6 +125,34 @@ class Server:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "kiln",
+                "root": self.model_name, "parent": None, "max_model_len": self.max_model_len}
+
+    def tokenize(self, body: TokenizeRequest) -> dict:
+        """vLLM's /tokenize answer: the ids (and their strings if asked) and the context they must fit."""
+        if body.model is not None:
+            self.check_model(body.model)
+        if body.messages is not None:
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            text = self.tokenizer.apply_chat_template([m.for_template() for m in body.messages],
+                                                      body.add_generation_prompt is not False, tools)
+            special = bool(body.add_special_tokens)
+        else:
+            text, special = body.prompt, body.add_special_tokens is not False
+        ids = self.tokenizer.encode(text, special)
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                "token_strs": [self.tokenizer.token_string(t) for t in ids] if body.return_token_strs else None}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict:
+        if body.model is not None:
+            self.check_model(body.model)
+        vocab = self.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ServerError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
 
 
 def _cap(what: str, count: int, limit: int, flag: str) -> None:
@@ -156,7 +194,8 @@ class CompletionChoices:
             offset = (len(self.prompt_text(index, out)) if body.echo else 0) + sum(
                 len(token_text(t)) for t in out.token_ids[:first])
         reason = "length" if body.max_tokens == 0 else _reason(out)
-        result = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+        result = {"index": index, "text": text, "logprobs": None, "finish_reason": reason,
+                  "stop_reason": out.stop_reason if reason == "stop" else None}
         if body.logprobs is not None:
             texts = [token_text(t) for t in ids]
             result["logprobs"] = {
@@ -172,7 +211,7 @@ class CompletionChoices:
 
     def response(self, head: dict, finals: list[RequestOutput], count: int) -> bytes:
         """The whole answer's JSON; with best_of, per prompt the n choices of highest cumulative logprob."""
-        usage = _usage(sum(len(ids) for ids, _ in self.prompts) * count, sum(self.generated(o) for o in finals))
+        usage = _usage(sum(len(ids) for ids, _ in self.prompts), sum(self.generated(o) for o in finals))
         if count > self.body.n:
             finals = [o for i in range(0, len(finals), count)
                       for o in sorted(finals[i:i + count], key=lambda o: -sum(o.logprobs))[:self.body.n]]
@@ -181,10 +220,13 @@ class CompletionChoices:
 
 
 class ChatChoices:
-    """Builds /v1/chat/completions choices, whole or as stream chunks, from engine outputs."""
+    """Builds /v1/chat/completions choices, whole or as stream chunks, from engine outputs; with tools
+    (tool_choice other than none) each answer's `<tool_call>` blocks become `tool_calls`."""
 
     def __init__(self, server: Server, body: ChatCompletionRequest):
         self.server, self.body = server, body
+        self.tools = bool(body.tools) and body.tool_mode != "none"
+        self.parsers: dict[int, tool_calls.ToolCallParser] = {}
 
     def logprobs(self, out: RequestOutput, first: int) -> dict | None:
         if not self.body.logprobs:
@@ -199,18 +241,42 @@ class ChatChoices:
                                              for k, v in (alts or {}).items()][:top]})
         return {"content": content}
 
+    def finish(self, out: RequestOutput, called: bool) -> dict:
+        """finish_reason (tool_calls for an answer that called, as OpenAI says it unless the call was
+        named) and vLLM's stop_reason."""
+        reason = _reason(out)
+        if called and reason == "stop" and not isinstance(self.body.tool_choice, NamedToolChoice):
+            reason = "tool_calls"
+        return {"finish_reason": reason, "stop_reason": out.stop_reason if reason == "stop" else None}
+
     def chunk(self, index: int, out: RequestOutput, chars: int, toks: int) -> dict:
-        delta = {"content": out.text[chars:]} if len(out.text) > chars else {}
-        return {"index": index, "delta": delta, "logprobs": self.logprobs(out, toks), "finish_reason": _reason(out)}
+        if self.tools:
+            parser = self.parsers.setdefault(index, tool_calls.ToolCallParser())
+            delta, called = parser.delta(out.text, out.finished), parser.calls > 0
+        else:
+            delta, called = ({"content": out.text[chars:]} if len(out.text) > chars else {}), False
+        return {"index": index, "delta": delta, "logprobs": self.logprobs(out, toks), **self.finish(out, called)}
 
     def roles(self, head: dict) -> list[dict]:
         """The first event of each choice: its role."""
         return [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                       "finish_reason": None}]} for i in range(self.body.n)]
 
+    def message(self, out: RequestOutput) -> tuple[dict, bool]:
+        if not self.tools:
+            return {"role": "assistant", "content": out.text}, False
+        content, calls = tool_calls.parse(out.text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        return message, bool(calls)
+
     def response(self, head: dict, finals: list[RequestOutput], prompt_tokens: int) -> bytes:
-        choices = [{"index": i, "message": {"role": "assistant", "content": out.text},
-                    "logprobs": self.logprobs(out, 0), "finish_reason": _reason(out)} for i, out in enumerate(finals)]
+        choices = []
+        for i, out in enumerate(finals):
+            message, called = self.message(out)
+            choices.append({"index": i, "message": message, "logprobs": self.logprobs(out, 0),
+                            **self.finish(out, called)})
         usage = _usage(prompt_tokens, sum(len(o.token_ids) for o in finals))
         return to_json({**head, "choices": choices, "usage": usage})
 
@@ -232,7 +298,7 @@ async def complete(server: Server, body: CompletionRequest, request: Request) ->
             "model": server.model_name}
     choices = CompletionChoices(server, body, prompts)
     if body.stream:
-        return event_stream(streams, head, choices.chunk, sum(len(ids) for ids, _ in prompts) * count,
+        return event_stream(streams, head, choices.chunk, sum(len(ids) for ids, _ in prompts),
                             body.stream_options)
     done = await finals(streams, request)
     if done is None:
@@ -248,9 +314,11 @@ async def chat(server: Server, body: ChatCompletionRequest, request: Request) ->
     prompt = await off_loop(server.chat_prompt, body)
     structured = await off_loop(server.constraint, body)
     top = body.top_logprobs or 0
+    if body.max_completion_tokens is not None and body.max_tokens is not None:  # the first wins; both must fit
+        server.max_tokens(len(prompt[0]), body.max_tokens)
     streams = await server.start([prompt], body, body.max_completion_tokens or body.max_tokens,
                                  top if body.logprobs else None, structured)
-    prompt_tokens = len(prompt[0]) * body.n
+    prompt_tokens = len(prompt[0])  # counted once, whatever n is (as OpenAI and vLLM do)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.model_name}
     choices = ChatChoices(server, body)
     if body.stream:
@@ -272,28 +340,33 @@ def event_stream(streams: list[RequestStream], head: dict, choice: Callable[[int
                  prompt_tokens: int, options: StreamOptions | None, preamble: list[dict] | None = None
                  ) -> StreamingResponse:
     """Server-sent events: `preamble`, then a chunk whenever a choice has new text (and its last one),
-    built by `choice(index, output, characters sent, tokens sent)`; usage if asked; `[DONE]`. Once
+    built by `choice(index, output, characters sent, tokens sent)`; usage if asked (at the end, or with
+`continuous_usage_stats` in every chunk too, as vLLM sends it); `[DONE]`. Once
     the status is sent a failure can only be told in the stream: an error event, as vLLM does."""
+
+    continuous = options is not None and options.continuous_usage_stats
+
+    def with_usage(payload: dict, generated: int) -> dict:
+        return {**payload, "usage": _usage(prompt_tokens, generated)} if continuous else payload
 
     async def events() -> AsyncIterator[str]:
         for payload in preamble or []:
-            yield _sse(payload)
+            yield _sse(with_usage(payload, 0))
         sent: dict[int, tuple[int, int]] = {}  # choice index -> (characters, tokens) sent
-        completion_tokens = 0
+        generated = 0  # tokens of all choices so far
         try:
             async for index, out in merged(streams):
                 chars, toks = sent.get(index, (0, 0))
                 sent[index] = (len(out.text), len(out.token_ids))
-                if out.finished:
-                    completion_tokens += len(out.token_ids)
+                generated += len(out.token_ids) - toks
                 if len(out.text) > chars or out.finished:
-                    yield _sse({**head, "choices": [choice(index, out, chars, toks)]})
+                    yield _sse(with_usage({**head, "choices": [choice(index, out, chars, toks)]}, generated))
         except Exception as e:  # noqa: BLE001 - whatever it is, the client gets an event, not a cut stream
             yield _sse({"error": {**stream_error(e), "param": None, "code": None}})
             yield "data: [DONE]\n\n"
             return
         if options and options.include_usage:
-            yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+            yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, generated)})
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")

@@ -104,7 +104,7 @@ def test_a_request_past_the_timeout_is_stopped_with_a_408(llm, slow_steps):
 def test_the_api_key_is_required_except_where_exempt(llm):
     engine = AsyncEngine(llm.engine, model_name=MODEL)
     engine.start()
-    config = ServerConfig(api_key="s3cret", auth_exempt=("/health",))
+    config = ServerConfig(api_key="s3cret", api_key_scope="all", auth_exempt=("/health",))
     try:
         with TestClient(create_app(engine, llm.tokenizer, MODEL, MAX_MODEL_LEN, config=config)) as http:
             body = _body(PROMPTS[0], max_tokens=2)
@@ -122,6 +122,28 @@ def test_the_api_key_is_required_except_where_exempt(llm):
             assert schema["components"]["securitySchemes"]["apiKey"]["scheme"] == "bearer"
             assert "401" in schema["paths"]["/v1/completions"]["post"]["responses"]
             assert "401" not in schema["paths"]["/health"]["get"]["responses"]
+            assert http.get("/openapi.json").status_code == 401 and http.get("/docs").status_code == 401
+    finally:
+        engine.shutdown()
+
+
+def test_the_api_key_guards_v1_only_by_default(llm):
+    """vLLM's scope: the API under /v1/ needs the key; probes, scrapers, the schema and /tokenize do not."""
+    engine = AsyncEngine(llm.engine, model_name=MODEL)
+    engine.start()
+    try:
+        with TestClient(create_app(engine, llm.tokenizer, MODEL, MAX_MODEL_LEN,
+                                   config=ServerConfig(api_key="s3cret"))) as http:
+            for path in ("/v1/models", f"/v1/models/{MODEL}"):
+                assert http.get(path).status_code == 401
+                assert http.get(path, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+            assert http.post("/v1/completions", json=_body(PROMPTS[0], max_tokens=2)).status_code == 401
+            for path in ("/health", "/metrics", "/openapi.json", "/docs", "/version"):
+                assert http.get(path).status_code == 200, path
+            assert http.post("/tokenize", json={"prompt": "hi"}).status_code == 200
+            schema = http.get("/openapi.json").json()
+            assert "401" in schema["paths"]["/v1/completions"]["post"]["responses"]
+            assert "401" not in schema["paths"]["/tokenize"]["post"]["responses"]
     finally:
         engine.shutdown()
 
@@ -129,7 +151,8 @@ def test_the_api_key_is_required_except_where_exempt(llm):
 @pytest.mark.parametrize("options, message", [
     ({"api_key": " "}, "API key is empty"),
     ({"ssl_keyfile": "k.pem"}, "both --ssl-keyfile and --ssl-certfile"),
-    ({"auth_exempt": ("/v1/models",)}, "only /health and /metrics"),
+    ({"auth_exempt": ("/v1/models",), "api_key_scope": "all"}, "only /health and /metrics"),
+    ({"auth_exempt": ("/health",)}, "goes with --api-key-scope all"),
     ({"request_timeout": 0}, "request_timeout must be > 0"),
 ])
 def test_bad_server_options_are_refused_by_name(options, message):
