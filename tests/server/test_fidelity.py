@@ -244,3 +244,23 @@ def test_vllm_endpoints_and_model_fields(base, client, eager):
                                ("/tokenize", {"prompt": "x", "add_generation_prompt": True}, 400)):
         response = httpx.post(base + path, json=body)
         assert response.status_code == status and response.json()["error"]["message"], (path, body)
+
+
+def test_vllm_metrics_beside_the_older_ones(base, client):
+    """The series vLLM dashboards and GIE releases read, on the live server's /metrics."""
+    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, extra_body={"ignore_eos": True})
+    text = httpx.get(base + "/metrics").text
+    label = f'model_name="{MODEL}"'
+
+    def value(name: str) -> float:
+        found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        assert found, name
+        return float(found.group(1))
+
+    assert value(f"vllm:gpu_cache_usage_perc{{{label}}}") == value(f"vllm:kv_cache_usage_perc{{{label}}}")
+    assert value(f"vllm:request_queue_time_seconds_count{{{label}}}") >= 1
+    assert value(f"vllm:time_per_output_token_seconds_count{{{label}}}") >= 3
+    assert value(f"vllm:num_preemptions_total{{{label}}}") == 0
+    queries, hits = (value(f"vllm:prefix_cache_{k}_total{{{label}}}") for k in ("queries", "hits"))
+    assert queries >= len(PROMPTS[0].split()) and 0 <= hits <= queries
+    assert re.search(r'^vllm:lora_requests_info\{.*max_lora="0".*\} \S+$', text, re.M)
