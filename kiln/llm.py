@@ -89,13 +89,14 @@ class LLM:
         self.parallel = _join_group(tensor_parallel_size, chosen.type)
         self.device = _pin(chosen)
         engine_config = EngineConfig(**engine_options)
-        self._check_memory(engine_config)
-        self.model = create_model(self.model_config, parse_dtype(self.dtype), self.device, self.parallel)
-        self.checkpoint_checksum = self.weights.load_into(self.model)
-        """The checksum of every checkpoint byte loaded (`kiln.checksum`): what keys the packed weights."""
         self.quantization = check_scheme(quantization)
         """The scheme the projections were quantized to at load (None: as the checkpoint has them)."""
-        if quantization:
+        self._check_memory(engine_config)
+        self.model = create_model(self.model_config, parse_dtype(self.dtype), self.device, self.parallel,
+                                  quantize=self.quantization)  # a projection at a time: never all in full precision
+        self.checkpoint_checksum = self.weights.load_into(self.model)
+        """The checksum of every checkpoint byte loaded (`kiln.checksum`): what keys the packed weights."""
+        if quantization:  # done while loading; this refuses a checkpoint quantized with another scheme
             quantize_model(self.model, quantization)
         if lm_head_quantization is not None:
             # an artifact's load packs the head for the GEMM it ships
@@ -154,7 +155,7 @@ class LLM:
         cannot fit the memory available (instead of being killed by the OOM killer mid-load)."""
         dtype = parse_dtype(self.dtype)
         world = self.parallel.world_size
-        weights = self.weights.bytes_in(dtype) // world
+        weights = self.weights.bytes_in(dtype, quantize=self.quantization is not None) // world
         tokens = engine_config.max_model_len or engine_config.max_num_batched_tokens  # one sequence, or one step
         kv_min = engine_config.kv_cache_memory_bytes or bytes_per_block(self.model_config, 1, dtype) // world * tokens
         available = available_bytes(self.device) // (world if self.device.type == "cpu" else 1)

@@ -29,13 +29,18 @@ def _skip_random_init() -> Iterator[None]:
 
 
 def create_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu",
-                 parallel: ParallelConfig = ParallelConfig()) -> CausalLM:
+                 parallel: ParallelConfig = ParallelConfig(), quantize: str | None = None) -> CausalLM:
     """Build a model (this rank's share of it) with uninitialized weights (no random init: the loader
-    overwrites them), with quantized projections when the checkpoint is quantized."""
+    overwrites them), with quantized projections when the checkpoint is quantized, or when `quantize`
+    names a scheme for a full-precision one: the loader then quantizes each projection as it reads it
+    (`quantize_on_load`), so the full-precision projections are never all in memory."""
     with torch.device("meta"), _skip_random_init():
         model = MODEL_CLASSES[cfg.architecture](cfg, dtype, parallel)
         if cfg.quantization is not None:
             quantized_layout(model, cfg.quantization.scheme, cfg.quantization.static_input)
+        elif quantize is not None:
+            quantized_layout(model, quantize, static_input=False)
+            model.quantize_on_load = quantize
     # not `to_empty`: its `empty_like` of a meta tensor imports sympy through torch._refs (~0.5 s of a start)
     model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.init_buffers()

@@ -15,7 +15,9 @@ import torch
 
 from kiln import checksum
 from kiln.errors import KilnError
+from kiln.kernels import quantize_weight
 from kiln.models.llama import CausalLM
+from kiln.models.quantization import SCHEMES
 from kiln.weights.safetensors_file import SafetensorsFile, checkpoint_files
 from kiln.models.tensor_parallel import Shard
 
@@ -24,14 +26,23 @@ logger = logging.getLogger(__name__)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def checkpoint_bytes(model_dir: Path, dtype: torch.dtype) -> int:
+PROJECTION_WEIGHTS = tuple(f".{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                       "down_proj"))
+"""The checkpoint tensors `--quantization` quantizes (Hugging Face's names)."""
+
+
+def checkpoint_bytes(model_dir: Path, dtype: torch.dtype, quantize: bool = False) -> int:
     """Bytes the checkpoint's tensors take once loaded to run in `dtype` (floating-point tensors are
-    cast to it; int8/fp8 weights stay as stored), read from the files' headers alone."""
+    cast to it; int8/fp8 weights stay as stored; with `quantize`, projections take a byte a weight and
+    a scale a row), read from the files' headers alone."""
     total = 0
     for path in checkpoint_files(model_dir):
         with SafetensorsFile(path) as f:
             for name in f.keys():
                 stored = f.dtype(name)
+                if quantize and stored.itemsize > 1 and name.endswith(PROJECTION_WEIGHTS):
+                    total += f.numel(name) + 4 * f.shape(name)[0]
+                    continue
                 size = dtype.itemsize if stored.is_floating_point and stored.itemsize > 1 else stored.itemsize
                 total += size * f.numel(name)
     return total
@@ -107,6 +118,11 @@ def _load_tensor(f: SafetensorsFile, name: str, model: CausalLM, params: dict, t
     pname, offset, rows = targets[name]
     param = params[pname]
     shard, dest = model.layout.shard(name), param.data[offset : offset + rows]
+    scale = params.get(pname.removesuffix(".weight") + ".weight_scale") if pname.endswith(".weight") else None
+    scheme = getattr(model, "quantize_on_load", None)
+    if scheme is not None and scale is not None and f.dtype(name) != param.dtype:
+        _quantize_into(_read(f, name, shard, rows, f.path), scheme, model, param, scale, offset, rows, name, f.path)
+        return []
     if (shard is None and f.dtype(name) == param.dtype and dest.device.type == "cpu"
             and dest.is_contiguous() and f.shape(name) == list(dest.shape) and param.dim() > 1):
         return [pool.submit(f.read_into, name, dest)]  # the common case: no copy at all
@@ -118,6 +134,20 @@ def _load_tensor(f: SafetensorsFile, name: str, model: CausalLM, params: dict, t
     return []
 
 
+def _quantize_into(tensor: torch.Tensor, scheme: str, model: CausalLM, weight: torch.Tensor, scale: torch.Tensor,
+                   offset: int, rows: int, name: str, path: Path) -> None:
+    """Quantize one full-precision checkpoint slice into its rows of a projection's codes and scales, as
+    `quantize_model` would the whole loaded projection (per row, from the model dtype's values)."""
+    want = (rows, *weight.shape[1:])
+    if tuple(tensor.shape) != want:
+        raise KilnError(f"tensor {name!r} in {path.name} has shape {list(tensor.shape)}, but config.json "
+                        f"implies {list(want)}: the weights do not match the config")
+    codes, scales = quantize_weight(tensor.to(model.model.embed_tokens.weight.dtype), weight.dtype,
+                                    SCHEMES[scheme].weight_max)
+    weight.data[offset:offset + rows].copy_(codes)
+    scale.data[offset:offset + rows].copy_(scales)
+
+
 def load_weights(model: CausalLM, model_dir: str | Path) -> str:
     """Copy every checkpoint tensor into its (possibly merged) parameter, casting to the model dtype;
     under tensor parallelism only this rank's shard of each is read. Returns the checksum of every
@@ -127,6 +157,8 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> str:
     params = dict(model.named_parameters())
     targets = {name: (pname, offset, rows)
                for pname, p in params.items() for name, offset, rows in _sources(model, pname, p)}
+    if getattr(model, "quantize_on_load", None) is not None:  # the scales come from quantizing, not the file
+        targets = {name: target for name, target in targets.items() if not target[0].endswith(".weight_scale")}
     for pname, p in params.items():
         if pname.endswith(".input_scale"):
             p.data.zero_()  # a static input scale is the max over the slices that share it

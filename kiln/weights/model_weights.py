@@ -27,9 +27,10 @@ class ModelWeights:
         self.checksum: str | None = None
         """The checksum of every checkpoint byte loaded (`kiln.checksum`): what keys the packed weights."""
 
-    def bytes_in(self, dtype: torch.dtype) -> int:
-        """The memory the checkpoint's tensors take once loaded to run in `dtype` (from file headers)."""
-        return loader.checkpoint_bytes(self.model_dir, dtype)
+    def bytes_in(self, dtype: torch.dtype, quantize: bool = False) -> int:
+        """The memory the checkpoint's tensors take once loaded to run in `dtype`, its projections
+        quantized to a byte a weight with `quantize` (from file headers)."""
+        return loader.checkpoint_bytes(self.model_dir, dtype, quantize)
 
     def load_into(self, model: nn.Module) -> str:
         """Read the checkpoint into `model`'s parameters; returns (and keeps) the checksum of what was read."""

@@ -1,0 +1,85 @@
+"""`--quantization` on a full-precision checkpoint quantizes each projection as the loader reads it: the
+same codes and scales as quantizing the loaded model, without ever holding all projections in full
+precision (what lets an 8B-class bf16 checkpoint start int8 on a 24 GB machine)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kiln.models.config import ModelConfig
+from kiln.models.demo import write_demo_model
+from kiln.models.quantization import quantize_model
+from kiln.models.registry import create_model
+from kiln.weights.loader import load_weights
+
+
+@pytest.mark.parametrize("scheme", ["int8", "w7a8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_same_weights_as_quantizing_after_loading(demo_dirs, scheme, dtype):
+    model_dir = demo_dirs["qwen2"]  # biased q/k/v
+    cfg = ModelConfig.from_model_dir(model_dir)
+    streamed = create_model(cfg, dtype, quantize=scheme)
+    load_weights(streamed, model_dir)
+    after = create_model(cfg, dtype)
+    load_weights(after, model_dir)
+    quantize_model(after, scheme)
+    got, want = dict(streamed.named_parameters()), dict(after.named_parameters())
+    assert got.keys() == want.keys() and streamed.quantization == after.quantization == scheme
+    for name, p in want.items():  # bit for bit (fp8 compared as bytes)
+        bits = (lambda t: t.view(torch.uint8)) if p.element_size() == 1 else (lambda t: t)
+        assert got[name].dtype == p.dtype and torch.equal(bits(got[name]), bits(p)), name
+
+
+PEAK = """
+import json, sys, torch
+from kiln.models.config import ModelConfig
+from kiln.models.quantization import quantize_model
+from kiln.models.registry import create_model
+from kiln.weights.loader import load_weights
+model_dir, streamed = sys.argv[1], sys.argv[2] == "1"
+cfg = ModelConfig.from_model_dir(model_dir)
+def status(key):  # kB
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key))
+open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) starts again from here
+before = status("VmRSS:")
+model = create_model(cfg, torch.float32, quantize="int8" if streamed else None)
+load_weights(model, model_dir)
+quantize_model(model, "int8")
+print(json.dumps((status("VmHWM:") - before) * 1024))
+"""
+
+
+def test_loading_int8_never_holds_the_full_precision_projections(tmp_path):
+    """Peak memory of the load, in fresh processes: quantizing as it reads stays far below loading the
+    fp32 model and quantizing it (which holds the fp32 projections and their int8 codes at once)."""
+    model_dir = write_demo_model(tmp_path / "m", arch="llama", num_layers=8, hidden_size=1024, train_steps=0)
+    cfg = ModelConfig.from_model_dir(model_dir)
+    per_layer = cfg.hidden_size * (2 * cfg.hidden_size + 2 * cfg.num_kv_heads * cfg.head_dim
+                                   + 3 * cfg.intermediate_size)
+    fp32_projections = 4 * cfg.num_layers * per_layer
+
+    def peak(streamed: bool) -> int:
+        out = subprocess.run([sys.executable, "-c", PEAK, str(model_dir), "1" if streamed else "0"],
+                             capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)
+
+    streamed, loaded_first = peak(True), peak(False)
+    assert streamed < loaded_first - fp32_projections / 2, (streamed, loaded_first, fp32_projections)
+    assert streamed < fp32_projections / 2  # the int8 codes (a quarter) and one tensor in flight
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_memory_check_counts_the_quantized_bytes(demo_dirs, arch):
+    """What `LLM` checks against the memory available before loading: the bytes the model then holds."""
+    from kiln.weights.model_weights import ModelWeights
+
+    cfg = ModelConfig.from_model_dir(demo_dirs[arch])
+    for dtype in (torch.float32, torch.bfloat16):
+        model = create_model(cfg, dtype, quantize="int8")
+        load_weights(model, demo_dirs[arch])
+        held = sum(p.numel() * p.element_size() for p in model.parameters())
+        weights = ModelWeights(demo_dirs[arch])
+        assert weights.bytes_in(dtype, quantize=True) == held < weights.bytes_in(dtype)
