@@ -16,6 +16,12 @@ from kiln.errors import KilnError
 from kiln.runtime.sampler import SEED_MAX, SEED_MIN, SamplingParams
 from kiln.runtime.structured_output import StructuredOutput
 
+class Strict(BaseModel):
+    """A request object: strict types, and a key it does not know is refused (400 naming it)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
 def _whole(value):
     """JSON has one number type: 5.0 is the integer 5 (JSON Schema says so), though 5.5 and "5" are not."""
     return int(value) if isinstance(value, float) and value.is_integer() else value
@@ -42,15 +48,13 @@ def _only_token_id_keys(schema: dict) -> None:
             kind["additionalProperties"] = False
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class StreamOptions(Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = Field(False, description="vLLM's: usage so far in every chunk")
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+class JsonSchemaFormat(Strict):
+    model_config = ConfigDict(populate_by_name=True)
 
     name: str = Field(max_length=64)
     description: str | None = None
@@ -58,9 +62,7 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = Field(None, description="kiln's output always matches the schema")
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -96,10 +98,10 @@ _FREE_STRUCTURED = {"json": _NULL, "regex": _NULL, "choice": _NULL, "grammar": _
 """structured_outputs' fields when they constrain nothing."""
 
 
-class StructuredOutputs(BaseModel):
+class StructuredOutputs(Strict):
     """vLLM's `structured_outputs`: at most one of its constraints (the schema says so too)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_at_most_one(_FREE_STRUCTURED))
+    model_config = ConfigDict(json_schema_extra=_at_most_one(_FREE_STRUCTURED))
 
     json_: dict | str | None = Field(None, alias="json")
     regex: str | None = None
@@ -124,14 +126,14 @@ the output ends), when it asks for nothing: a request gives at most one other.""
 _STREAM_OPTIONS_RULE = _unless("stream_options", _true("stream"))
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(Strict):
     """Fields completions and chat share. A field kiln does not implement is refused with a 400
     naming it (`extra="forbid"`): accepted and ignored, it would give wrong answers silently. JSON's
     NaN and Infinity extensions are refused too (`allow_inf_nan`). The schema states the one-constraint
     rule, so that a client generating requests from it (schemathesis) sends only valid ones."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False,
-                              json_schema_extra={"allOf": [_at_most_one(_FREE), _STREAM_OPTIONS_RULE]})
+    model_config = ConfigDict(allow_inf_nan=False, json_schema_extra={"allOf": [_at_most_one(_FREE),
+                                                                                 _STREAM_OPTIONS_RULE]})
 
     model: str
     temperature: float = Field(1.0, ge=0, le=2)
@@ -270,32 +272,26 @@ class CompletionRequest(SamplingRequest):
         return self
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class FunctionCall(Strict):
     name: str
     arguments: str = Field(description="the arguments as a JSON text, as the model wrote them")
 
 
-class ToolCall(BaseModel):
+class ToolCall(Strict):
     """A call an assistant message made earlier in the conversation, sent back with the tool's result."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"anyOf": [
+class ChatMessage(Strict):
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
         {"properties": {"role": {"const": "assistant"}, "tool_call_id": _NULL}},
         {"properties": {"role": {"const": "tool"}, "tool_calls": _NULL}},
         {"properties": {"tool_calls": _NULL, "tool_call_id": _NULL}}]})
@@ -339,31 +335,23 @@ def _arguments(text: str):
         return text
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class FunctionDefinition(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict | None = Field(None, description="a JSON schema of the arguments (default: any object)")
     strict: bool | None = Field(None, description="kiln holds required and named calls to the schema always")
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class Tool(Strict):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class NamedFunction(Strict):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: NamedFunction
 
@@ -407,10 +395,10 @@ class ChatCompletionRequest(SamplingRequest):
         return self
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(Strict):
     """vLLM's /tokenize: a prompt, or a chat rendered by the chat template first."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"anyOf": [
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": _NULL,
                                                 "add_generation_prompt": _NULL, "tools": _NULL}},
         {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": _NULL}}]})
@@ -433,9 +421,7 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class DetokenizeRequest(Strict):
     model: str | None = None
     tokens: list[integer(ge=0)]
 

@@ -443,7 +443,8 @@ def test_schemathesis_checks_pass(served, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "schemathesis.cli", "run", served[0] + "/openapi.json", "--checks",
                            "all", "--max-examples", "25", "--seed", "1", "--request-timeout", "60", "--report", "ndjson",
                            "--report-dir", str(report)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert "Selected: 10/10" in proc.stdout, proc.stdout[-2000:]
+    operations = sum(len(ops) for ops in httpx.get(served[0] + "/openapi.json").json()["paths"].values())
+    assert f"Selected: {operations}/{operations}" in proc.stdout, proc.stdout[-2000:]  # every one tested
     codes, refused = set(), []
     for line in next(report.glob("*.ndjson")).read_text().splitlines():
         recorder = json.loads(line).get("ScenarioFinished", {}).get("recorder", {})
