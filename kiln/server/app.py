@@ -186,6 +186,10 @@ def _openapi(app: FastAPI, model_name: str, max_model_len: int, vocab_size: int,
                 named["enum"] = [model_name]
             for field in ("prompt", "stop_token_ids", "tokens"):
                 _bound_integers(found["properties"].get(field, {}), 0, vocab_size - 1)
+            for kind in found["properties"].get("logit_bias", {}).get("anyOf", []):
+                for key, value in list(kind.get("patternProperties", {}).items()):  # keys: ids in the vocabulary
+                    kind["patternProperties"] = {key: value}
+                    kind["propertyNames"] = {"pattern": _ids_below(vocab_size)}
         for body, field in (("CompletionRequest", "max_tokens"), ("ChatCompletionRequest", "max_tokens"),
                             ("ChatCompletionRequest", "max_completion_tokens")):
             _bound_integers(components[body]["properties"][field], 0, max_model_len - 1)  # a prompt takes 1 at least
@@ -226,6 +230,14 @@ def _bound_integers(schema, low: int, high: int) -> None:
     elif isinstance(schema, list):
         for value in schema:
             _bound_integers(value, low, high)
+
+
+def _ids_below(n: int) -> str:
+    """A regex of the decimal numbers in [0, n), leading zeros allowed (as `int` reads a logit_bias key)."""
+    top = str(n - 1)
+    ranges = [f"[0-9]{{1,{len(top) - 1}}}"] if len(top) > 1 else []
+    ranges += [top[:i] + f"[0-{int(d) - 1}]" + f"[0-9]{{{len(top) - i - 1}}}" for i, d in enumerate(top) if d != "0"]
+    return f"^0*({'|'.join([*ranges, top])})$"
 
 
 def warm_up(llm) -> None:
