@@ -91,15 +91,19 @@ _ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*\d+\s*\|\s*([\d
 
 
 def measure(llama_cpp: Path, model: Path, threads: int, prompts: int, prompt_len: int, new_tokens: int) -> dict:
-    """peers.py's figures from one `llama-batched-bench` run at batch 1 and `prompts`: prefill of all
-    the prompts, and decode tokens per second (ms per token at batch 1)."""
+    """peers.py's figures from one `llama-batched-bench` run at batch 1 and `prompts`."""
     cmd = [str(llama_cpp / "bin" / "llama-batched-bench"), "-m", str(model), "-npp", str(prompt_len), "-ntg",
            str(new_tokens), "-npl", f"1,{prompts}", "-t", str(threads), "--poll", "0", "-lm", "none",
            "-c", str(prompts * (prompt_len + new_tokens))]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    rows = {int(m[3]): m for m in (_ROW.match(line) for line in out.splitlines()) if m}
+    return figures(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout, prompts, new_tokens)
+
+
+def figures(table: str, prompts: int, new_tokens: int) -> dict:
+    """From llama-batched-bench's table: the prefill of all `prompts` (T_PP), decode tokens per second
+    with them all (S_TG), and ms per token at batch 1 (T_TG over the tokens)."""
+    rows = {int(m[3]): m for m in (_ROW.match(line) for line in table.splitlines()) if m}
     if set(rows) != {1, prompts}:
-        raise RuntimeError(f"llama-batched-bench printed no rows for batches 1 and {prompts}:\n{out[-2000:]}")
+        raise RuntimeError(f"llama-batched-bench printed no rows for batches 1 and {prompts}:\n{table[-2000:]}")
     one, many = rows[1], rows[prompts]
     return {"prefill_s": float(many[4]), "batch16_tok_s": float(many[6]),
             "batch1_ms_per_token": float(one[5]) / new_tokens * 1e3}

@@ -40,7 +40,8 @@ import time
 from pathlib import Path
 from statistics import median
 
-import llama_cpp_peer as llama_cpp  # benchmarks/ is the script's folder (not llama-cpp-python)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llama_cpp_peer as llama_cpp  # noqa: E402  (benchmarks/, also when this file is loaded by path)
 
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 16, 32, 64
 SYSTEMS = ("hf", "kiln-eager", "kiln-fp32", "kiln-int8", "kiln-w7a8", "vllm", *llama_cpp.QUANTS)

@@ -30,3 +30,27 @@ def test_ratios_are_paired_within_rounds_then_the_median():
     # the table's figures: each one's median over the rounds
     assert peers.summary(rounds)["kiln"]["batch1_ms_per_token"] == 8.0
     assert peers.summary(rounds)["vllm"]["batch1_ms_per_token"] == 24.0
+
+
+def test_a_system_without_a_figure_gets_no_ratio_for_it():
+    """llama.cpp's runs have no start time and no tokens: their other ratios stand."""
+    rounds = [{"kiln": _sample(10.0), "llama.cpp-q8_0": {"prefill_s": 2.0, "batch16_tok_s": 50.0,
+                                                          "batch1_ms_per_token": 20.0}}]
+    got = peers.ratios(rounds)["vs_llama.cpp-q8_0"]["kiln"]
+    assert got == {"start": None, "batch1_ms_per_token": 0.5, "batch16_tok_s": 2.0, "prefill": 0.5}
+
+
+def test_llama_batched_bench_figures_and_gguf_names():
+    table = """
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|    32 |     64 |    1 |     96 |    0.083 |   385.39 |    1.600 |    40.00 |    1.683 |    57.03 |
+|    32 |     64 |   16 |   1536 |    2.100 |   243.81 |    8.192 |   125.00 |   10.29 |   149.20 |
+"""
+    import llama_cpp_peer  # on the path since peers.py was loaded
+
+    assert llama_cpp_peer.figures(table, 16, 64) == {"prefill_s": 2.1, "batch16_tok_s": 125.0,
+                                                     "batch1_ms_per_token": 25.0}
+    assert llama_cpp_peer.gguf_name("model.layers.3.self_attn.k_proj.bias") == "blk.3.attn_k.bias"
+    assert llama_cpp_peer.gguf_name("model.layers.0.mlp.down_proj.weight") == "blk.0.ffn_down.weight"
+    assert llama_cpp_peer.gguf_name("model.embed_tokens.weight") == "token_embd.weight"
