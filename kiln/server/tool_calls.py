@@ -69,6 +69,7 @@ class ToolCallParser:
         self.sent = 0  # characters of the answer consumed
         self.calls = 0  # calls found so far
         self._in_calls = False
+        self._scanned = 0  # where the search for the next `</tool_call>` goes on: each character read once
 
     def delta(self, text: str, finished: bool) -> dict:
         """The content and calls that `text` (the answer so far) adds: {"content"?, "tool_calls"?}, each
@@ -79,7 +80,12 @@ class ToolCallParser:
             end = start if start >= 0 else len(text) - (0 if finished else _partial_open(text))
             content, self.sent, self._in_calls = text[self.sent:end], end, start >= 0
         while self._in_calls:
-            block = _BLOCK.match(text, self.sent)
+            close = text.find(CLOSE, max(self._scanned, self.sent))
+            if close < 0:  # an open block: nothing to parse until it closes
+                self._scanned = max(self.sent, len(text) - len(CLOSE) + 1)
+                break
+            self._scanned = close + len(CLOSE)
+            block = _BLOCK.match(text, self.sent)  # stops at that close: it reads the block once
             if block is None:
                 break
             call = _parsed(block.group(1))
