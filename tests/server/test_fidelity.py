@@ -131,6 +131,8 @@ def _events(response: httpx.Response) -> list[dict]:
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "x": 1}}]},
      "tools.0.function.x"),
     ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "`f` is strict"),
+    ({"tools": [WEATHER], "parallel_tool_calls": False}, "parallel_tool_calls: false is held only"),
 ])
 def test_bad_tool_requests_are_400s_naming_the_problem(base, fields, message):
     response = _chat(base, **fields)
