@@ -20,8 +20,8 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 """For models whose tokenizer_config.json has no chat_template: "Role: content" lines ("Role (name):" with
-a name), then "Assistant:";
-tools and tool calls in the Hermes `<tool_call>` format that `kiln.server.tool_calls` parses."""
+a name), then "Assistant:"; tools and tool calls in the Hermes `<tool_call>` format that
+`kiln.server.tool_calls` parses."""
 
 
 def _tojson(value, ensure_ascii: bool = False, indent: int | None = None, separators=None,

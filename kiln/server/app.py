@@ -76,7 +76,7 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_m
 
     app = FastAPI(title="kiln", summary="OpenAI-compatible completions over compiled kiln artifacts",
                   lifespan=lifespan, default_response_class=KilnJSONResponse)
-    vocab = getattr(getattr(engine, "engine", None), "model_config", tokenizer).vocab_size  # the engine's bound
+    vocab = engine.engine.model_config.vocab_size  # the bound the engine checks token ids against
     app.state.server = Server(engine, tokenizer, model_name, max_model_len, config, vocab)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes, timeout=config.body_timeout)
     if config.api_key is not None:
@@ -187,8 +187,7 @@ def _openapi(app: FastAPI, model_name: str, max_model_len: int, vocab_size: int,
             for field in ("prompt", "stop_token_ids", "tokens"):
                 _bound_integers(found["properties"].get(field, {}), 0, vocab_size - 1)
             for kind in found["properties"].get("logit_bias", {}).get("anyOf", []):
-                for key, value in list(kind.get("patternProperties", {}).items()):  # keys: ids in the vocabulary
-                    kind["patternProperties"] = {key: value}
+                if "patternProperties" in kind:  # its keys: token ids in the vocabulary
                     kind["propertyNames"] = {"pattern": _ids_below(vocab_size)}
         for body, field in (("CompletionRequest", "max_tokens"), ("ChatCompletionRequest", "max_tokens"),
                             ("ChatCompletionRequest", "max_completion_tokens")):

@@ -77,13 +77,14 @@ def _fit(name: str, tensor: torch.Tensor, param: torch.Tensor, rows: int, path: 
         tensor = tensor.reshape(-1)
         if tensor.numel() == 1:
             tensor = tensor.expand(rows)
-    want = (rows, *param.shape[1:])
-    if tuple(tensor.shape) != want:
-        raise KilnError(
-            f"tensor {name!r} in {path.name} has shape {list(tensor.shape)}, but config.json "
-            f"implies {list(want)}: the weights do not match the config"
-        )
+    _check_shape(name, tensor, (rows, *param.shape[1:]), path)
     return tensor
+
+
+def _check_shape(name: str, tensor: torch.Tensor, want: tuple[int, ...], path: Path) -> None:
+    if tuple(tensor.shape) != want:
+        raise KilnError(f"tensor {name!r} in {path.name} has shape {list(tensor.shape)}, but config.json "
+                        f"implies {list(want)}: the weights do not match the config")
 
 
 def _read(f: SafetensorsFile, name: str, shard: Shard | None, rows: int, path: Path) -> torch.Tensor:
@@ -138,10 +139,7 @@ def _quantize_into(tensor: torch.Tensor, scheme: str, model: CausalLM, weight: t
                    offset: int, rows: int, name: str, path: Path) -> None:
     """Quantize one full-precision checkpoint slice into its rows of a projection's codes and scales, as
     `quantize_model` would the whole loaded projection (per row, from the model dtype's values)."""
-    want = (rows, *weight.shape[1:])
-    if tuple(tensor.shape) != want:
-        raise KilnError(f"tensor {name!r} in {path.name} has shape {list(tensor.shape)}, but config.json "
-                        f"implies {list(want)}: the weights do not match the config")
+    _check_shape(name, tensor, (rows, *weight.shape[1:]), path)
     codes, scales = quantize_weight(tensor.to(model.model.embed_tokens.weight.dtype), weight.dtype,
                                     SCHEMES[scheme].weight_max)
     weight.data[offset:offset + rows].copy_(codes)
