@@ -12,9 +12,10 @@ if TYPE_CHECKING:  # torch is imported on use: the CLI parser reads these defaul
 
 DTYPES = ("float32", "bfloat16", "float16")
 """Activation dtypes, as manifests, keys and the CLI spell them."""
-QUANTIZATIONS = ("int8", "w7a8", "fp8")
-"""`--quantization` schemes (`kiln.models.quantization.SCHEMES`): W8A8 int8 or fp8, and int8 with 7-bit
-weight codes, which x86 CPUs without VNNI multiply about twice as fast as exact W8A8."""
+QUANTIZATIONS = ("int8", "w7a8", "fp8", "int4")
+"""`--quantization` schemes (`kiln.models.quantization.SCHEMES`): W8A8 int8 or fp8, int8 with 7-bit
+weight codes, which x86 CPUs without VNNI multiply about twice as fast as exact W8A8, and W4A8 int4
+(4-bit weights, a scale per group of up to 128 input channels; CPU only)."""
 LM_HEAD_QUANTIZATIONS = ("int8", "w7a8")
 """`--lm-head-quantization` schemes (`kiln.models.lm_head`): the same two int8 forms."""
 

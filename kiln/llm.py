@@ -29,6 +29,18 @@ from kiln.weights.model_weights import ModelWeights, PackFileOpener
 logger = logging.getLogger(__name__)
 
 
+def _check_int4(scheme: str | None, device: torch.device, world_size: int) -> None:
+    """int4 runs on the CPU, on one rank: refused elsewhere, by name."""
+    if scheme != "int4":
+        return
+    if device.type != "cpu":
+        raise KilnError(f"int4 (W4A8) weights run on the CPU only; this is {device}: use --quantization int8 or fp8, "
+                        "or --device cpu")
+    if world_size > 1:
+        raise KilnError("int4 (W4A8) weights do not run under tensor parallelism yet: use --tensor-parallel-size 1, "
+                        "or --quantization int8")
+
+
 class LLM:
     """Load a Hugging Face-format decoder and generate from batches of prompts.
 
@@ -91,6 +103,8 @@ class LLM:
         engine_config = EngineConfig(**engine_options)
         self.quantization = check_scheme(quantization)
         """The scheme the projections were quantized to at load (None: as the checkpoint has them)."""
+        _check_int4(self.quantization or getattr(self.model_config.quantization, "scheme", None), self.device,
+                    self.parallel.world_size)
         self._check_memory(engine_config)
         self.model = create_model(self.model_config, parse_dtype(self.dtype), self.device, self.parallel,
                                   quantize=self.quantization)  # a projection at a time: never all in full precision
@@ -155,7 +169,7 @@ class LLM:
         cannot fit the memory available (instead of being killed by the OOM killer mid-load)."""
         dtype = parse_dtype(self.dtype)
         world = self.parallel.world_size
-        weights = self.weights.bytes_in(dtype, quantize=self.quantization is not None) // world
+        weights = self.weights.bytes_in(dtype, quantize=self.quantization) // world
         tokens = engine_config.max_model_len or engine_config.max_num_batched_tokens  # one sequence, or one step
         kv_min = engine_config.kv_cache_memory_bytes or bytes_per_block(self.model_config, 1, dtype) // world * tokens
         available = available_bytes(self.device) // (world if self.device.type == "cpu" else 1)

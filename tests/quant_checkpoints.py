@@ -1,10 +1,11 @@
-"""Write compressed-tensors W8A8 checkpoints from the demo models, the way llm-compressor lays them
-out, and the dequantized Hugging Face reference they should match."""
+"""Write compressed-tensors W8A8 and W4A16 (pack-quantized) checkpoints from the demo models, the way
+llm-compressor lays them out, and the dequantized Hugging Face reference they should match."""
 
 import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -16,7 +17,18 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 QMAX = {"int8": INT8_MAX, "fp8": FP8_MAX}
 
 
-def quant_config(scheme: str, per_tensor: bool = False, static: bool = False) -> dict:
+def quant_config(scheme: str, per_tensor: bool = False, static: bool = False, group_size: int = 128) -> dict:
+    if scheme == "int4":
+        return {
+            "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "ignore": ["lm_head"],
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 4, "type": "int", "symmetric": True, "dynamic": False, "strategy": "group",
+                            "group_size": group_size, "actorder": None, "observer": "minmax"},
+                "input_activations": None, "output_activations": None,
+            }},
+        }
     kind = "int" if scheme == "int8" else "float"
     return {
         "quant_method": "compressed-tensors",
@@ -68,8 +80,34 @@ def calibrate(hf_model, model_dir: Path) -> dict[str, float]:
     return amax
 
 
+def pack_words(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] in [-8, 7] -> compressed-tensors' int32 words [N, K / 8]: eight codes + 8 each,
+    the first in the lowest bits (written here without kiln's code)."""
+    u = (codes.numpy().astype(np.int64) + 8).astype(np.uint32)
+    words = np.zeros((u.shape[0], u.shape[1] // 8), dtype=np.uint32)
+    for i in range(8):
+        words |= u[:, i::8] << (4 * i)
+    return torch.from_numpy(words.view(np.int32))
+
+
+def unpack_words(words: torch.Tensor) -> torch.Tensor:
+    u = words.numpy().view(np.uint32)
+    codes = np.stack([(u >> (4 * i)) & 0xF for i in range(8)], axis=-1).reshape(u.shape[0], -1)
+    return torch.from_numpy(codes.astype(np.int64) - 8)
+
+
+def _int4_tensors(base: str, w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    """llm-compressor's W4A16 round-to-nearest: symmetric codes in [-8, 7], scale max|w| / 7.5 per group."""
+    n, k = w.shape
+    g = w.float().view(n, k // group, group)
+    scale = (g.abs().amax(-1) / 7.5).clamp(min=1e-8).to(torch.bfloat16)  # the Hub's exports keep bf16 scales
+    codes = (g / scale.float()[..., None]).round().clamp(-8, 7).to(torch.int8).view(n, k)
+    return {f"{base}.weight_packed": pack_words(codes), f"{base}.weight_scale": scale,
+            f"{base}.weight_shape": torch.tensor([n, k], dtype=torch.int32)}
+
+
 def write_compressed(src: Path, out: Path, scheme: str, per_tensor: bool = False,
-                     input_amax: dict[str, float] | None = None) -> Path:
+                     input_amax: dict[str, float] | None = None, group_size: int = 128) -> Path:
     """A compressed-tensors copy of the demo checkpoint `src`, laid out the way llm-compressor saves one."""
     shutil.copytree(src, out)
     tensors = {}
@@ -78,6 +116,9 @@ def write_compressed(src: Path, out: Path, scheme: str, per_tensor: bool = False
             tensors[name] = w
             continue
         base = name[: -len(".weight")]
+        if scheme == "int4":
+            tensors.update(_int4_tensors(base, w, group_size))
+            continue
         if per_tensor:
             s = (w.abs().amax() / QMAX[scheme]).reshape(1)
             dtype = SCHEMES[scheme].dtype
@@ -91,7 +132,8 @@ def write_compressed(src: Path, out: Path, scheme: str, per_tensor: bool = False
             tensors[f"{base}.input_scale"] = torch.tensor([input_amax[base] / QMAX[scheme]])
     save_file(tensors, out / "model.safetensors")
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quant_config(scheme, per_tensor, static=input_amax is not None)
+    config["quantization_config"] = quant_config(scheme, per_tensor, static=input_amax is not None,
+                                                 group_size=group_size)
     (out / "config.json").write_text(json.dumps(config))
     return out
 
@@ -104,6 +146,12 @@ def dequantized_reference(src: Path, ckpt: Path, scheme: str):
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     tensors = load_file(ckpt / "model.safetensors")
     for name, linear in _projections(model):
+        if scheme == "int4":  # W4A16 run as W4A8: kiln quantizes the activations to int8 per token
+            scale = tensors[f"{name}.weight_scale"].float()
+            codes = unpack_words(tensors[f"{name}.weight_packed"]).float()
+            linear.weight.data = (codes.view(*scale.shape, -1) * scale[..., None]).view(codes.shape)
+            linear.register_forward_pre_hook(lambda mod, a: (_fake_quant(a[0], None, "int8"),))
+            continue
         scale = tensors[f"{name}.weight_scale"].reshape(-1, 1)
         linear.weight.data = tensors[f"{name}.weight"].float() * scale
         input_scale = tensors.get(f"{name}.input_scale")

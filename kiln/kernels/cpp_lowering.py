@@ -64,6 +64,7 @@ def register() -> bool:
 
     lowering(panel_linear.FLOAT)
     lowering(panel_linear.INT8)
+    lowering(panel_linear.INT4)
 
     def kernel_lowering(module, layout_of):
         """`module`'s op (a kernel module: SOURCE, WRAPPER_SOURCE, SHIM) lowered to its C++ kernel;

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.kernels import cpp_lowering, packed_linear, panel_linear
+from kiln.kernels import cpp_lowering, packed_linear, panel_linear, quant
 
 aten, ops = torch.ops.aten, torch.ops.kiln
 
-KINDS = ("float", "int8", "w7a8", "fp8")
+KINDS = ("float", "int8", "w7a8", "fp8", "int4")
 """Projection kinds: "float" (mm/addmm), "int8" (W8A8 `scaled_mm`), "w7a8" (int8 with 7-bit weight
-codes) and "fp8" (fp8 `scaled_mm`)."""
+codes), "fp8" (fp8 `scaled_mm`) and "int4" (W4A8 `int4_scaled_mm`)."""
 INT8_KINDS = ("int8", "w7a8")
 
 
@@ -29,10 +29,11 @@ class Projection:
     """A projection's signature: what a GEMM candidate is chosen for."""
 
     kind: str
-    shape: tuple[int, int]  # the weight's [N, K]
+    shape: tuple[int, int]  # the weight's [N, K] (int4: its codes' [N, K / 2])
     dtype: torch.dtype
     bias: bool = False
     out_dtype: torch.dtype | None = None  # scaled_mm's
+    groups: int = 0  # int4: the weight scales' groups per row
 
     @property
     def code_max(self) -> int:
@@ -56,7 +57,9 @@ Runner = Callable[[Projection, NextWeight, torch.Tensor | None, torch.Tensor], C
 class GemmCandidate:
     """One GEMM kernel. `emit(insert, x, weight, bias)` builds its call in a graph and returns its
     output: for int8 and fp8 kinds the unscaled fp32 product (the pass adds `scaled_mm`'s epilogue;
-    `bias` is then None). `pack` makes the weight format from the weight as loaded (None: the weight
+    `bias` is then None); for int4 the product with the weight's group scales, which it gets in
+    `bias`'s place (the pass adds the activation's scale and the bias). A runner of an int4 kernel
+    likewise gets the group scales [N, groups] as its weight scale. `pack` makes the weight format from the weight as loaded (None: the weight
     as loaded), into `out` where `plain` (a plain tensor of the weight's shape and dtype)."""
 
     id: str
@@ -103,7 +106,7 @@ def _fbgemm_check(projection: Projection) -> str | None:
 def _panels_check(projection: Projection) -> str | None:
     if not cpp_lowering.register():
         return "this torch's Inductor cannot compile the panel GEMMs into a piece"
-    return panel_linear.available(projection.shape, projection.dtype)
+    return panel_linear.available(projection.shape, projection.dtype, projection.groups)
 
 
 # -- timing runners: the GEMMs alone (the graph fuses int8's shift and epilogue into other loops) --
@@ -113,6 +116,8 @@ def _aten_runner(p: Projection, weight: NextWeight, bias, scale) -> Callable:
         return (lambda x: torch.addmm(bias, x, weight().t())) if bias is not None else (lambda x: x @ weight().t())
     if p.kind in INT8_KINDS:
         return lambda a, s: torch._int_mm(a, weight().t())
+    if p.kind == "int4":
+        return lambda a, s: a.float() @ quant.dequantize_int4(weight(), scale).t()
     return lambda a, s: ops.scaled_mm(a, weight(), s, scale, p.out_dtype, bias)
 
 
@@ -150,6 +155,11 @@ def _panels_int8_runner(p: Projection, weight: NextWeight, bias, scale) -> Calla
     return lambda a, s: gemm(a, weight())
 
 
+def _panels_int4_runner(p: Projection, weight: NextWeight, bias, scale) -> Callable:
+    gemm = panel_linear.timing_kernel(panel_linear.INT4)
+    return lambda a, s: gemm(a, weight(), scale)
+
+
 def _widened_runner(p: Projection, weight: NextWeight, bias, scale) -> Callable:
     return lambda a, s: a.float() @ weight().float().t()
 
@@ -160,10 +170,31 @@ def _float_emit(op) -> Callable:
     return lambda insert, x, weight, bias: insert(op, (x, weight, bias))
 
 
-def _aten_int8_emit(insert: Insert, a, weight, bias):
-    """torch._int_mm, which AOTInductor calls from C++ with no Python op around it."""
+def _aten_emit(insert: Insert, a, weight, bias):
+    """int8: torch._int_mm, which AOTInductor calls from C++ with no Python op around it; int4: the
+    weight dequantized to fp32 in the graph (Inductor fuses it into one loop) for torch's float GEMM,
+    the path for CPUs without a panel GEMM (no AVX-512 VNNI)."""
+    if weight.meta["val"].dtype == torch.uint8:
+        return _dequantized_int4_emit(insert, a, weight, bias)
     sums = insert(aten._int_mm.default, (a, insert(aten.t.default, (weight,))))
     return insert(aten._to_copy.default, (sums,), {"dtype": torch.float32})
+
+
+def _dequantized_int4_emit(insert: Insert, a, weight, scales):
+    n, half = weight.meta["val"].shape
+    groups = scales.meta["val"].shape[1]
+    lo = insert(aten.bitwise_and.Scalar, (weight, 0x0F))
+    hi = insert(aten.bitwise_right_shift.Tensor_Scalar, (weight, 4))
+    codes = insert(aten.view.default, (insert(aten.stack.default, ([lo, hi], -1)), [n, groups, 2 * half // groups]))
+    wide = insert(aten.sub.Tensor, (insert(aten._to_copy.default, (codes,), {"dtype": torch.float32}), 8.0))
+    scaled = insert(aten.mul.Tensor, (wide, insert(aten.unsqueeze.default, (scales, -1))))
+    w = insert(aten.view.default, (scaled, [n, 2 * half]))
+    rows = insert(aten._to_copy.default, (a,), {"dtype": torch.float32})
+    return insert(aten.mm.default, (rows, insert(aten.t.default, (w,))))
+
+
+def _panels_int4_emit(insert: Insert, a, weight, scales):
+    return insert(ops.panel_int4_linear.default, (a, weight, scales))
 
 
 def _onednn_int8_emit(insert: Insert, a, weight, bias):
@@ -207,7 +238,7 @@ def _fp8_emit(insert: Insert, a, weight, bias):
 
 ATEN = GemmCandidate("aten", KINDS, None, "torch's GEMM on the weight as loaded (what Inductor calls for mm/addmm, "
                      "and scaled_mm's native form): the baseline every candidate is measured against; int8 "
-                     "projections become torch._int_mm", _aten_runner, _aten_int8_emit)
+                     "projections become torch._int_mm, int4 ones dequantize in the graph", _aten_runner, _aten_emit)
 ONEDNN = GemmCandidate("onednn", ("float",), None, "oneDNN blocked layout (fp32/bf16), for kiln::onednn_linear",
                        _onednn_runner, _float_emit(ops.onednn_linear.default), packed_linear.pack_onednn,
                        op=ops.onednn_linear.default, check=_no_onednn)
@@ -236,12 +267,17 @@ PANELS16_INT8 = GemmCandidate("panels16_int8", INT8_KINDS, (torch.int8,),
                               "kiln's int8 panel GEMM: panels of 16 output channels, codes + 128",
                               _panels_int8_runner, _panels_int8_emit, panel_linear.pack_int8, plain=True,
                               op=ops.panel_int8_linear.default, check=_panels_check)
+PANELS16_INT4 = GemmCandidate("panels16_int4", ("int4",), (torch.uint8,),
+                              "kiln's W4A8 panel GEMM: panels of 16 output channels, 8 K of them a 64-byte line of "
+                              "4-bit codes, unpacked in registers", _panels_int4_runner, _panels_int4_emit,
+                              panel_linear.pack_int4, plain=True, op=ops.panel_int4_linear.default,
+                              check=_panels_check)
 WIDENED = GemmCandidate("widened", INT8_KINDS, (torch.int8,),
                         "int8 codes widened to fp32 per call for torch's float GEMM (exact: integer products): "
                         "where a CPU's int8 GEMMs are slow, large prefill chunks compute faster so",
                         _widened_runner, _widened_emit)
 
-ALL = (ONEDNN, ONEDNN_INT8, FBGEMM_INT8, FBGEMM_W7A8, ONEDNN_FP8, PANELS16, PANELS16_INT8, WIDENED)
+ALL = (ONEDNN, ONEDNN_INT8, FBGEMM_INT8, FBGEMM_W7A8, ONEDNN_FP8, PANELS16, PANELS16_INT8, PANELS16_INT4, WIDENED)
 """The candidates, in the order they are tried (ties go to the earlier)."""
 BY_ID = {c.id: c for c in (ATEN, *ALL)}
 FORMATS = {c.id: c for c in ALL if c.packed}

@@ -1,10 +1,11 @@
-"""kiln's GEMMs for decode batches on AVX-512 CPUs, fp32 and int8 (VNNI): the weight packed in panels
+"""kiln's GEMMs for decode batches on AVX-512 CPUs, fp32, int8 and int4 (VNNI): the weight packed in panels
 of 16 output channels, each panel's K x 16 block contiguous, streamed once per call while up to 16
 token rows accumulate in registers, with the panel 16 KB ahead prefetched.
 
 At decode sizes a projection reads its weight from memory, and oneDNN's fp32 GEMM does not keep the
 memory busy while it computes: this kernel runs close to the time it takes to stream the weight,
-and the int8 kernel (`vpdpbusd`, four K per instruction) likewise; on small projections oneDNN's
+and the int8 kernel (`vpdpbusd`, four K per instruction) likewise, and the int4 kernel (W4A8: 4-bit
+codes unpacked to bytes in registers, group scales applied to each group's exact int32 sums); on small projections oneDNN's
 per-call costs outweigh the GEMM. docs/cpu.md has the measurements; the compile times both kernels
 against the others on every projection (`kiln.passes.gemm_choice`).
 
@@ -42,6 +43,10 @@ WRAPPER_SOURCE = cpp_source.read("panel_linear_shim.cpp")
 """kiln::panel_linear as a C shim function, which a piece's wrapper calls like torch's own."""
 INT8_WRAPPER_SOURCE = cpp_source.read("panel_int8_linear_shim.cpp")
 """kiln::panel_int8_linear as a C shim function."""
+INT4_SOURCE = cpp_source.read("panel_int4_linear.cpp")
+"""The int4 kernel's C++ (csrc/panel_int4_linear.cpp), with its C entry point `kiln_panel_int4_gemm`."""
+INT4_WRAPPER_SOURCE = cpp_source.read("panel_int4_linear_shim.cpp")
+"""kiln::panel_int4_linear as a C shim function."""
 
 
 @dataclass(frozen=True)
@@ -60,12 +65,16 @@ class PanelKernel:
     """The compile flag the kernel needs among Inductor's for this CPU."""
     takes_bias: bool
     """Whether `entry` takes a bias pointer after the weight's."""
+    takes_scales: bool = False
+    """Whether `entry` takes the weight's group scales after the weight (and their count after K)."""
 
 
 FLOAT = PanelKernel("panel_linear", SOURCE, "kiln_panel_gemm", WRAPPER_SOURCE, "aoti_torch_cpu_kiln_panel_linear",
                     "-mavx512f", takes_bias=True)
 INT8 = PanelKernel("panel_int8_linear", INT8_SOURCE, "kiln_panel_int8_gemm", INT8_WRAPPER_SOURCE,
                    "aoti_torch_cpu_kiln_panel_int8_linear", "-mavx512vnni", takes_bias=False)
+INT4 = PanelKernel("panel_int4_linear", INT4_SOURCE, "kiln_panel_int4_gemm", INT4_WRAPPER_SOURCE,
+                   "aoti_torch_cpu_kiln_panel_int4_linear", "-mavx512vnni", takes_bias=False, takes_scales=True)
 
 
 def pack(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -105,6 +114,29 @@ def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
     return panels.transpose(1, 2).reshape(n, k)
 
 
+def pack_int4(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, K / 2] 4-bit codes as loaded (`kiln.kernels.quant.pack_nibbles`) -> the same shape holding,
+    per panel, each 8 K of its 16 channels in one 64-byte line: byte 4c + j holds channel c's K j in the
+    low nibble and K 4 + j in the high one (codes + 8, as loaded). Written into `out` (a contiguous
+    [N, K / 2] uint8 tensor) if given. N must be a multiple of PANEL and K of 8."""
+    n, half = w.shape
+    lo, hi = (w & 0x0F), (w >> 4)
+    codes = torch.stack((lo, hi), dim=-1).view(n // PANEL, PANEL, half // 4, 2, 4)  # [P, c, line, h, j]
+    lines = codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)  # [P, c, line, j]
+    out = torch.empty((n, half), dtype=torch.uint8) if out is None else out
+    out.view(n // PANEL, half // 4, PANEL, 4).copy_(lines.transpose(1, 2))
+    return out
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The codes `pack_int4` was given."""
+    n, half = packed.shape
+    lines = packed.view(n // PANEL, half // 4, PANEL, 4).transpose(1, 2)  # [P, c, line, j]
+    codes = torch.stack((lines & 0x0F, lines >> 4), dim=3)  # [P, c, line, h, j]
+    codes = codes.reshape(n, half * 2)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
 @torch.library.custom_op("kiln::panel_linear", mutates_args=())
 def panel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias) in fp32, `weight` holding W [N, K] packed by `pack`. This function is
@@ -131,18 +163,38 @@ def _(a, weight):
     return a.new_empty((a.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
+@torch.library.custom_op("kiln::panel_int4_linear", mutates_args=())
+def panel_int4_linear(a: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """a [M, K] int8 @ W.T by groups, each group's sums times its scale, as fp32 (`kiln::int4_scaled_mm`
+    before the activation's scale), `weight` holding W's 4-bit codes packed by `pack_int4` and `scales`
+    [N, groups] fp32. This function is the reference (it unpacks W); a compiled piece runs the kernel
+    (`INT4_SOURCE`)."""
+    from kiln.kernels.quant import int4_scaled_mm
+
+    ones = a.new_ones((a.shape[0], 1), dtype=torch.float32)
+    return int4_scaled_mm(a, unpack_int4(weight), ones, scales, torch.float32)
+
+
+@panel_int4_linear.register_fake
+def _(a, weight, scales):
+    return a.new_empty((a.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
 INT8_MAX_K = (1 << 31) // (255 * 128)
 """The longest row whose int32 sums of (w + 128) x a cannot overflow."""
 
 
-def available(shape: tuple[int, int], dtype: torch.dtype) -> str | None:
-    """Why no panel GEMM can run an [N, K] projection of `dtype` (fp32, or int8 codes) here, or None."""
+def available(shape: tuple[int, int], dtype: torch.dtype, groups: int = 0) -> str | None:
+    """Why no panel GEMM can run an [N, K] projection of `dtype` (fp32, int8 codes, or 4-bit codes two to
+    a uint8 in `groups` groups, `shape` then the codes' [N, K / 2]) here, or None."""
     n, k = shape
-    if dtype not in (torch.float32, torch.int8):
-        return "fp32 and int8 weights only"
+    if dtype not in (torch.float32, torch.int8, torch.uint8):
+        return "fp32, int8 and int4 weights only"
     if n % PANEL:
         return f"{n} output channels are not a multiple of {PANEL}"
-    kernel = FLOAT if dtype == torch.float32 else INT8
+    kernel = {torch.float32: FLOAT, torch.int8: INT8, torch.uint8: INT4}[dtype]
+    if kernel is INT4 and (groups <= 0 or (2 * k) % groups or (2 * k // groups) % 8):
+        return f"groups of {2 * k} / {groups} input channels are not a multiple of 8"
     if kernel is INT8 and (k % 4 or k > INT8_MAX_K):
         return f"{k} input channels are not a multiple of 4 up to {INT8_MAX_K}"
     if kernel.isa not in _arch_flags():
@@ -186,13 +238,20 @@ def timing_kernel(kernel: PanelKernel = FLOAT) -> Callable[..., torch.Tensor] | 
         return None
     finally:
         shutil.rmtree(build, ignore_errors=True)  # the loaded library stays mapped
-    gemm.argtypes = [ctypes.c_void_p] * (4 if kernel.takes_bias else 3) + [ctypes.c_int64] * 3
+    extra = kernel.takes_bias or kernel.takes_scales
+    gemm.argtypes = [ctypes.c_void_p] * (4 if extra else 3) + [ctypes.c_int64] * (4 if kernel.takes_scales else 3)
 
     def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if bias is not None and not kernel.takes_bias:
+        """x @ W.T; `bias` is the bias, or for a kernel that takes scales the scales [N, groups] (fp32)."""
+        if bias is not None and not extra:
             raise ValueError(f"kiln::{kernel.op} takes no bias")
         x = x.contiguous()
         out = x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+        if kernel.takes_scales:
+            scales = bias.float().contiguous()
+            gemm(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(), x.shape[0], weight.shape[0],
+                 x.shape[1], scales.shape[1])
+            return out
         bias_pointer = [bias.data_ptr() if bias is not None else None] if kernel.takes_bias else []
         gemm(x.data_ptr(), weight.data_ptr(), *bias_pointer, out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1])
         return out

@@ -1,8 +1,13 @@
-"""W8A8 quantization ops: quantize activations (int8 or fp8), multiply with quantized weights.
+"""Quantization ops: quantize activations (int8 or fp8), multiply with quantized weights (W8A8, and
+W4A8: 4-bit weight codes with a scale per group of input channels).
 
 Scales are symmetric and fp32. Activation scales are per token ([T, 1], "dynamic") or one for the
-tensor ([1, 1], "static"); weight scales are per output channel ([N]). Kept as separate ops so the
-fusion passes can fold a quantization into the RMSNorm or SiLU*Mul before it.
+tensor ([1, 1], "static"); 8-bit weight scales are per output channel ([N]), 4-bit ones per output
+channel and group ([N, K / group]). Kept as separate ops so the fusion passes can fold a quantization
+into the RMSNorm or SiLU*Mul before it.
+
+4-bit codes are stored two to a byte along K ([N, K / 2] uint8), code + 8 in [0, 15], the even K in
+the low nibble: compressed-tensors' `pack-quantized` int32 words read as bytes on a little-endian CPU.
 """
 
 import torch
@@ -107,3 +112,78 @@ def quantize_weight(w: torch.Tensor, dtype: torch.dtype,
             q.round_()
         out[i:i + rows] = q.clamp_(-qmax, qmax)
     return out, s
+
+
+INT4_MAX = 7.0
+"""The largest 4-bit weight code kiln quantizes to: symmetric codes in [-7, 7] (stored codes take -8 too)."""
+INT4_GROUPS = (128, 64, 32)
+"""Group sizes `quantize_weight_int4` picks from, the largest that divides a row: 128 is what GPTQ/AWQ-style
+compressed-tensors exports use."""
+
+
+def int4_group_size(k: int) -> int | None:
+    """The group size a row of `k` input channels is quantized with, or None if none divides it."""
+    return next((g for g in INT4_GROUPS if k % g == 0), None)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] in [-8, 7] -> [N, K / 2] uint8, code + 8, even K in the low nibble."""
+    u = (codes.to(torch.int16) + 8).to(torch.uint8)
+    return u[:, 0::2] | (u[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The int8 codes [N, K] `pack_nibbles` was given."""
+    lo, hi = packed & 0x0F, packed >> 4
+    return torch.stack((lo, hi), dim=-1).reshape(packed.shape[0], -1).to(torch.int8) - 8
+
+
+def quantize_weight_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [N, K] -> (4-bit codes [N, K / 2] uint8 as `pack_nibbles` stores them, fp32 scales
+    [N, K / group]): symmetric, codes in [-7, 7], one scale per output channel and group of `group`
+    input channels (round to nearest), a block of rows at a time like `quantize_weight`."""
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"{k} input channels are not a multiple of the group size {group}")
+    out = torch.empty((n, k // 2), dtype=torch.uint8, device=w.device)
+    scales = torch.empty((n, k // group), dtype=torch.float32, device=w.device)
+    rows = max(1, (1 << 19) // max(1, k))
+    for i in range(0, n, rows):
+        g = w[i:i + rows].float().reshape(-1, k // group, group)
+        s = (torch.maximum(g.amax(dim=-1), g.amin(dim=-1).neg()) / INT4_MAX).clamp_(min=_MIN_SCALE)
+        q = torch.div(g, s[..., None]).round_().clamp_(-INT4_MAX, INT4_MAX)
+        out[i:i + rows] = pack_nibbles(q.reshape(-1, k).to(torch.int8))
+        scales[i:i + rows] = s
+    return out, scales
+
+
+def dequantize_int4(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight [N, K] that 4-bit codes and their group scales stand for."""
+    codes = unpack_nibbles(weight).float()
+    n, groups = scales.shape
+    return (codes.view(n, groups, -1) * scales.float()[..., None]).view(n, -1)
+
+
+@torch.library.custom_op("kiln::int4_scaled_mm", mutates_args=())
+def int4_scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                   out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W4A8: (a * a_scale) @ W.T + bias for int8 a [M, K] and 4-bit weight codes b [N, K / 2]
+    (`pack_nibbles`) with group scales b_scale [N, groups]: each group's products summed exactly
+    (in fp32, which holds them: |sum| < 2^24), times the group's scale, summed over the groups."""
+    codes = unpack_nibbles(b).float()
+    n, groups = b_scale.shape
+    size = codes.shape[1] // groups
+    x = a.float()
+    out = x.new_zeros((a.shape[0], n))
+    for g in range(groups):
+        part = slice(g * size, (g + 1) * size)
+        out += (x[:, part] @ codes[:, part].t()) * b_scale[:, g].float()
+    out = out * a_scale.float()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+@int4_scaled_mm.register_fake
+def _(a, b, a_scale, b_scale, out_dtype, bias=None):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)

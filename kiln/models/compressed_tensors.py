@@ -1,16 +1,18 @@
-"""Read the `quantization_config` of a compressed-tensors checkpoint (llm-compressor's W8A8 output).
+"""Read the `quantization_config` of a compressed-tensors checkpoint (llm-compressor's output).
 
 kiln runs the layouts its W8A8 `QuantLinear` can hold exactly: 8-bit symmetric int or fp8 (e4m3)
 weights with one scale per output channel or per tensor, and 8-bit activations quantized per token
-at run time or per tensor with a calibrated `input_scale`. Anything else is refused with its reason
-rather than run approximately.
+at run time or per tensor with a calibrated `input_scale`; and W4A16 `pack-quantized` checkpoints
+(symmetric 4-bit int weights, a scale per group of input channels: what GPTQ/AWQ-style exports use),
+whose weights `Int4Linear` holds exactly and whose activations it quantizes to int8 per token (W4A8).
+Anything else is refused with its reason rather than run approximately.
 """
 
 from dataclasses import dataclass
 
 from kiln.errors import KilnError
 
-FORMATS = ("int-quantized", "float-quantized", "naive-quantized")
+FORMATS = ("int-quantized", "float-quantized", "naive-quantized", "pack-quantized")
 SCHEME_OF_TYPE = {"int": "int8", "float": "fp8"}
 
 
@@ -21,12 +23,13 @@ class CheckpointQuantization:
     scheme: str  # "int8" | "fp8"
     static_input: bool  # activations: per-tensor `input_scale` from the checkpoint, else per token
     weight_per_tensor: bool  # one `weight_scale` per projection, else one per output channel
+    group_size: int | None = None  # int4: input channels a weight scale covers
 
 
 def _fail(problem: str) -> KilnError:
     return KilnError(f"unsupported compressed-tensors checkpoint: {problem}; kiln loads W8A8 int8/fp8 "
                      "checkpoints (symmetric, per-channel or per-tensor weights, per-token or per-tensor "
-                     "activations)")
+                     "activations) and W4A16 pack-quantized ones (symmetric int4 weights in groups)")
 
 
 def _args(group: dict, key: str) -> dict:
@@ -63,9 +66,13 @@ def parse_quantization_config(qc: dict) -> CheckpointQuantization | None:
     for entry in qc.get("ignore") or []:
         if "lm_head" not in entry:
             raise _fail(f"ignore entry {entry!r} (only the LM head may stay unquantized)")
-    weights, inputs = _args(group, "weights"), _args(group, "input_activations")
     if group.get("output_activations"):
         raise _fail("quantized output activations")
+    if (group.get("weights") or {}).get("num_bits") == 4:
+        return _int4(qc, group)
+    if qc.get("format") == "pack-quantized":
+        raise _fail("pack-quantized weights of other than 4 bits")
+    weights, inputs = _args(group, "weights"), _args(group, "input_activations")
     if weights["type"] != inputs["type"]:
         raise _fail(f"{weights['type']} weights with {inputs['type']} activations")
     if weights.get("dynamic", False) or weights.get("strategy") not in ("channel", "tensor"):
@@ -78,3 +85,23 @@ def parse_quantization_config(qc: dict) -> CheckpointQuantization | None:
         static_input=static == ("tensor", False),
         weight_per_tensor=weights["strategy"] == "tensor",
     )
+
+
+def _int4(qc: dict, group: dict) -> CheckpointQuantization:
+    """A W4A16 checkpoint: 4-bit symmetric int weights packed eight to an int32, a scale per group."""
+    weights = group["weights"]
+    if qc.get("format") != "pack-quantized":
+        raise _fail(f"4-bit weights in format {qc.get('format')!r} (kiln reads pack-quantized)")
+    if weights.get("type") != "int" or not weights.get("symmetric", True):
+        raise _fail(f"4-bit {weights.get('type')} weights" + ("" if weights.get("symmetric", True) else
+                                                                 " with zero points (asymmetric)"))
+    if group.get("input_activations"):
+        raise _fail("4-bit weights with quantized activations (kiln reads W4A16)")
+    if weights.get("strategy") != "group" or weights.get("dynamic", False):
+        raise _fail(f"4-bit weight strategy {weights.get('strategy')!r} (kiln reads group)")
+    if weights.get("actorder"):
+        raise _fail(f"actorder {weights.get('actorder')!r} (group indices, weight_g_idx)")
+    size = weights.get("group_size")
+    if not isinstance(size, int) or size <= 0 or size % 8:
+        raise _fail(f"group_size {size!r} (kiln needs a multiple of 8)")
+    return CheckpointQuantization(scheme="int4", static_input=False, weight_per_tensor=False, group_size=size)

@@ -1,9 +1,10 @@
-"""W8A8 linear layers: online quantization of a loaded model, or the empty layers a pre-quantized
+"""Quantized linear layers: online quantization of a loaded model, or the empty layers a pre-quantized
 checkpoint loads into.
 
 `quantize_model` swaps every decoder projection (qkv, o, gate_up, down) for a `QuantLinear` holding
-the weight in int8 or fp8 with one scale per output channel; activations are quantized per token at
-run time. "w7a8" is int8 with weight codes in [-63, 63]: on x86 CPUs without VNNI, fbgemm's int8
+the weight in int8 or fp8 with one scale per output channel, or for "int4" an `Int4Linear` holding
+4-bit codes with a scale per output channel and group of input channels (W4A8); activations are
+quantized to int8 per token at run time. "w7a8" is int8 with weight codes in [-63, 63]: on x86 CPUs without VNNI, fbgemm's int8
 GEMM is exact on those without splitting the activations (`kiln.kernels.packed_linear`), about twice
 as fast as exact W8A8 there, for a little more weight error. `quantized_layout` gives a model the
 same layers, empty, for a compressed-tensors checkpoint; with static activations each layer also
@@ -18,6 +19,7 @@ from torch import nn
 
 from kiln.errors import KilnError
 from kiln.kernels import packed_linear, quantize_weight
+from kiln.kernels.quant import int4_group_size, quantize_weight_int4
 
 ops = torch.ops.kiln
 
@@ -31,7 +33,7 @@ class Scheme:
 
 
 SCHEMES = {"int8": Scheme(torch.int8), "w7a8": Scheme(torch.int8, float(packed_linear.W7A8_MAX)),
-           "fp8": Scheme(torch.float8_e4m3fn)}
+           "fp8": Scheme(torch.float8_e4m3fn), "int4": Scheme(torch.uint8)}
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
@@ -75,6 +77,37 @@ class QuantLinear(nn.Module):
         return ops.scaled_mm(q, self.weight, s, self.weight_scale, x.dtype, self.bias)
 
 
+class Int4Linear(nn.Module):
+    """y = quant(x) @ W.T + bias, in the dtype of x, W held as 4-bit codes: `weight` [N, K / 2] uint8
+    (two codes a byte, `kiln.kernels.quant.pack_nibbles`), `weight_scale` [N, K / group] fp32. The
+    activations are quantized to int8 per token (W4A8), also for a W4A16 checkpoint."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Int4Linear":
+        weight = linear.weight.detach()
+        codes, scales = quantize_weight_int4(weight, int4_group(weight.shape[1]))
+        return cls(codes, scales, linear.bias.detach() if linear.bias is not None else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, s = ops.quant_int8(x, None)
+        return ops.int4_scaled_mm(q, self.weight, s, self.weight_scale, x.dtype, self.bias)
+
+
+def int4_group(k: int) -> int:
+    """The group size `--quantization int4` quantizes a projection of `k` input channels with."""
+    group = int4_group_size(k)
+    if group is None:
+        raise KilnError(f"--quantization int4 needs each projection's input channels in groups of 32, 64 or 128; "
+                        f"one has {k}: use --quantization int8")
+    return group
+
+
 def _swap_projections(model: nn.Module, make) -> None:
     for module in list(model.modules()):
         for name in PROJECTIONS:
@@ -93,19 +126,31 @@ def quantize_model(model: nn.Module, scheme: str) -> nn.Module:
             raise KilnError(f"the checkpoint is already quantized ({held}, compressed-tensors): "
                             f"drop --quantization {scheme}")
         return model
-    _swap_projections(model, lambda linear: QuantLinear.from_linear(linear, scheme))
+    if scheme == "int4":
+        _swap_projections(model, Int4Linear.from_linear)
+    else:
+        _swap_projections(model, lambda linear: QuantLinear.from_linear(linear, scheme))
     model.quantization = scheme  # read by the compiler: the scheme is part of the artifact key
     return model
 
 
-def quantized_layout(model: nn.Module, scheme: str, static_input: bool) -> nn.Module:
-    """Give a freshly built model empty `QuantLinear`s of the checkpoint's layout, in place; the
-    loader fills them. Built on the model's device (meta while `create_model` builds)."""
+def quantized_layout(model: nn.Module, scheme: str, static_input: bool, group_size: int | None = None) -> nn.Module:
+    """Give a freshly built model empty `QuantLinear`s (int4: `Int4Linear`s, in groups of `group_size`,
+    default `int4_group`'s) of the checkpoint's layout, in place; the loader fills them. Built on the
+    model's device (meta while `create_model` builds)."""
     dtype = SCHEMES[check_scheme(scheme)].dtype
 
-    def empty(linear: nn.Linear) -> QuantLinear:
+    def empty(linear: nn.Linear) -> nn.Module:
         w = linear.weight
         bias = linear.bias.detach() if linear.bias is not None else None
+        if scheme == "int4":
+            n, k = w.shape
+            group = group_size or int4_group(k)
+            if k % group:
+                raise KilnError(f"a projection of {k} input channels does not split into the checkpoint's groups "
+                                f"of {group}: the weights do not match the config")
+            return Int4Linear(torch.empty((n, k // 2), dtype=torch.uint8, device=w.device),
+                              torch.empty((n, k // group), dtype=torch.float32, device=w.device), bias)
         input_scale = torch.empty(1, dtype=torch.float32, device=w.device) if static_input else None
         return QuantLinear(torch.empty(w.shape, dtype=dtype, device=w.device),
                            torch.empty(w.shape[0], dtype=torch.float32, device=w.device), bias, input_scale)

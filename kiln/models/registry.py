@@ -37,7 +37,7 @@ def create_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.devic
     with torch.device("meta"), _skip_random_init():
         model = MODEL_CLASSES[cfg.architecture](cfg, dtype, parallel)
         if cfg.quantization is not None:
-            quantized_layout(model, cfg.quantization.scheme, cfg.quantization.static_input)
+            quantized_layout(model, cfg.quantization.scheme, cfg.quantization.static_input, cfg.quantization.group_size)
         elif quantize is not None:
             quantized_layout(model, quantize, static_input=False)
             model.quantize_on_load = quantize

@@ -10,7 +10,8 @@ compute, and the kernel that wins differs. On CPU the compile cuts the dynamic t
 SMALL_BATCH and DECODE_BATCH tokens for that; ranges whose decisions agree share one graph. A
 candidate must first give the baseline's numbers (an int8 kernel that saturates on this CPU is never
 chosen); of those faster than the baseline at every count measured, the fastest in total wins. fp8
-weights are always widened and packed once (torch's form widens them on every call); projections
+weights are always widened and packed once (torch's form widens them on every call), and int4 weights
+always run on kiln's W4A8 panel GEMM where it runs (torch's form dequantizes them on every call); projections
 too small to time apart keep torch's GEMM. A later range keeps an earlier range's packed format where
 that still beats torch's GEMM, so a weight is packed once where it can be; where the earlier format
 loses there (kiln's int8 panel GEMM on prefill chunks), the weight is held in both forms, or both
@@ -61,7 +62,7 @@ TIME_BUDGET_S = 0.1
 class GemmChoice:
     """One weight signature's decision: the median milliseconds of each candidate at each count."""
 
-    kind: str  # "float" (mm/addmm), "int8", "w7a8" (int8 with 7-bit weight codes) or "fp8" (scaled_mm)
+    kind: str  # "float" (mm/addmm), "int8", "w7a8" (int8 with 7-bit weight codes), "fp8" (scaled_mm), "int4"
     shape: tuple[int, int]  # the weight's [N, K]
     dtype: str
     kernel: str  # the id of the candidate chosen (`kiln.kernels.gemms`): a packed one's is its weight format
@@ -123,7 +124,7 @@ class GemmChooser:
             choice = self.choose(sig, tokens)
             choices.append(_with_calls(choice, len(nodes)))
             candidate = gemms.BY_ID[choice.kernel]
-            if candidate is gemms.ATEN and sig.kind not in INT8_KINDS:  # what the graph calls already
+            if candidate is gemms.ATEN and sig.kind in ("float", "fp8"):  # what the graph calls already
                 continue
             for node, weight in nodes:
                 _rewrite(graph, node, weight, candidate)
@@ -138,7 +139,8 @@ class GemmChooser:
             self._decided[sig, tokens] = choice
             logger.info("GEMM %s %s %s at %s tokens: %s (%s; %.1fs)", sig.kind, list(sig.shape),
                         str(sig.dtype).removeprefix("torch."), list(tokens), choice.kernel,
-                        ", ".join(f"{k} {'/'.join(f'{v:.3f}' for v in ms)} ms" for k, ms in choice.ms.items()),
+                        ", ".join(f"{k} {'/'.join(f'{v:.3f}' for v in ms)} ms" for k, ms in choice.ms.items())
+                        or "not timed",
                         time.perf_counter() - start)
         return self._decided[sig, tokens]
 
@@ -191,6 +193,14 @@ def _site(node: fx.Node, int8_kind: str = "int8") -> tuple[Projection, fx.Node] 
     weights are of `int8_kind`."""
     if node.op != "call_function":
         return None
+    if node.target is ops.int4_scaled_mm.default:
+        weight, scales = node.args[1], node.args[3]
+        if not _is_cpu_input(weight):
+            return None
+        val = weight.meta["val"]
+        bias = len(node.args) > 5 and node.args[5] is not None or node.kwargs.get("bias") is not None
+        return Projection("int4", tuple(val.shape), val.dtype, bias, node.args[4],
+                          groups=scales.meta["val"].shape[1]), weight
     if node.target is ops.scaled_mm.default:
         weight = node.args[1]
         if not _is_cpu_input(weight):
@@ -232,7 +242,7 @@ def _transposed_weight(node) -> fx.Node | None:
 def _only_read_by_gemms(weight: fx.Node) -> bool:
     """A packed weight is opaque: every reader must be a projection this pass rewrites."""
     for user in weight.users:
-        if user.target is ops.scaled_mm.default and user.args[1] is weight:
+        if user.target in (ops.scaled_mm.default, ops.int4_scaled_mm.default) and user.args[1] is weight:
             continue
         if _transposed_weight(user) is weight and all(_site(u) is not None for u in user.users):
             continue
@@ -257,13 +267,16 @@ def _rewrite(graph: fx.Graph, node: fx.Node, weight: fx.Node, candidate: GemmCan
         return _insert(graph, target, args, kwargs)
 
     with graph.inserting_before(node):
-        if node.target is ops.scaled_mm.default:
+        if node.target is ops.int4_scaled_mm.default:
+            a, _, a_scale, scales, out_dtype, bias = _scaled_mm_args(node)
+            out = _epilogue(graph, candidate.emit(insert, a, weight, scales), a_scale, None, bias, out_dtype)
+        elif node.target is ops.scaled_mm.default:
             a, _, a_scale, b_scale, out_dtype, bias = _scaled_mm_args(node)
             out = _epilogue(graph, candidate.emit(insert, a, weight, None), a_scale, b_scale, bias, out_dtype)
         else:
             x, bias = (node.args[0], None) if node.target is aten.mm.default else (node.args[1], node.args[0])
             out = candidate.emit(insert, x, weight, bias)
-    transposed = None if node.target is ops.scaled_mm.default else \
+    transposed = None if node.target in (ops.scaled_mm.default, ops.int4_scaled_mm.default) else \
         node.args[1] if node.target is aten.mm.default else node.args[2]
     node.replace_all_uses_with(out)
     graph.erase_node(node)
@@ -277,12 +290,14 @@ def _scaled_mm_args(node: fx.Node) -> tuple:
     return tuple(values.get(n) for n in names)
 
 
-def _epilogue(graph: fx.Graph, out: fx.Node, a_scale: fx.Node, b_scale: fx.Node, bias,
+def _epilogue(graph: fx.Graph, out: fx.Node, a_scale: fx.Node, b_scale: fx.Node | None, bias,
               out_dtype: torch.dtype) -> fx.Node:
-    """fp32 product -> * the activation's scale, * the weight's per channel, + bias, in the output
-    dtype (`scaled_mm`'s own order, so its numbers): aten ops Inductor fuses into the projection's reader."""
+    """fp32 product -> * the activation's scale, * the weight's per channel (int4: None, applied by
+    group already), + bias, in the output dtype (`scaled_mm`'s own order, so its numbers): aten ops
+    Inductor fuses into the projection's reader."""
     out = _insert(graph, aten.mul.Tensor, (out, a_scale))
-    out = _insert(graph, aten.mul.Tensor, (out, b_scale))
+    if b_scale is not None:
+        out = _insert(graph, aten.mul.Tensor, (out, b_scale))
     if bias is not None:
         out = _insert(graph, aten.add.Tensor, (out, bias))
     if out_dtype != torch.float32:
@@ -313,14 +328,14 @@ def _measure(sig: Projection, tokens: tuple[int, ...], timer: Timer,
     dtype = str(sig.dtype).removeprefix("torch.")
     candidates = candidates or gemms.for_kind(sig.kind)
     aten_id = gemms.ATEN.id
-    if sig.kind != "fp8" and n * k < MIN_TIMED_ELEMENTS:
+    if sig.kind not in ("fp8", "int4") and n * k < MIN_TIMED_ELEMENTS:
         return GemmChoice(sig.kind, sig.shape, dtype, aten_id, tokens, {},
                           rejected={c.id: f"{n} x {k} weights: too small to time apart" for c in candidates})
     generator = torch.Generator().manual_seed(n * 31 + k)
     copies = max(1, min(MAX_COPIES, math.ceil(STREAM_BYTES / (n * k * sig.dtype.itemsize))))
     first = _random_weight(sig, generator)
     plain = [first] + [first.clone() for _ in range(copies - 1)]  # copies stream as distinct weights would
-    scale = torch.rand(n, generator=generator) * 0.01 + 1e-3
+    scale = torch.rand(n, *([sig.groups] if sig.kind == "int4" else []), generator=generator) * 0.01 + 1e-3
     bias = torch.randn(n, generator=generator).to(sig.act_dtype) if sig.bias else None
     rejected: dict[str, str] = {}
     runs = {aten_id: _runner(sig, gemms.ATEN, plain, scale, bias)}
@@ -337,7 +352,7 @@ def _measure(sig: Projection, tokens: tuple[int, ...], timer: Timer,
         if problem is not None:
             rejected[candidate.id] = problem
             runs.pop(candidate.id, None)
-    if sig.kind == "fp8":  # no timing needed: torch's form widens the whole weight on every call
+    if sig.kind in ("fp8", "int4"):  # no timing needed: torch's form widens the whole weight on every call
         return GemmChoice(sig.kind, sig.shape, dtype, next((c.id for c in candidates if c.id in runs), aten_id),
                           tokens, {}, rejected=rejected)
     ms: dict[str, list[float]] = {name: [] for name in runs}
@@ -356,12 +371,14 @@ def _random_weight(sig: Projection, generator: torch.Generator) -> torch.Tensor:
     if sig.kind in INT8_KINDS:
         top = sig.code_max
         return torch.randint(-top, top + 1, (n, k), generator=generator, dtype=torch.int8)
+    if sig.kind == "int4":
+        return torch.randint(0, 256, (n, k), generator=generator, dtype=torch.uint8)
     w = torch.randn(n, k, generator=generator) * 0.05
     return w.to(sig.dtype)
 
 
 def _random_input(sig: Projection, tokens: int, generator: torch.Generator) -> list:
-    k = sig.shape[1]
+    k = sig.shape[1] * (2 if sig.kind == "int4" else 1)
     if sig.kind == "float":
         return [torch.randn(tokens, k, generator=generator).to(sig.dtype)]
     codes = torch.randint(-127, 128, (tokens, k), generator=generator, dtype=torch.int8)
@@ -388,7 +405,7 @@ def _runner(sig: Projection, candidate: GemmCandidate, weights: list[torch.Tenso
 def _differs(sig: Projection, runs: dict[str, Callable], generator: torch.Generator) -> str | None:
     """Why the candidate's numbers are not the baseline's (both on the same weight copy), or None."""
     x = _random_input(sig, 7, generator)
-    if sig.kind in INT8_KINDS:  # the extreme codes, where a saturating kernel goes wrong
+    if sig.kind in (*INT8_KINDS, "int4"):  # the extreme codes, where a saturating kernel goes wrong
         x[0] = torch.where(torch.rand(x[0].shape, generator=generator) < 0.5, 127, -127).to(torch.int8)
     ref, got = (run(*x).float() for run in runs.values())
     tolerance = 1e-4 if sig.dtype.itemsize >= 4 or sig.kind != "float" else 2e-2

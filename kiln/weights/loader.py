@@ -16,8 +16,9 @@ import torch
 from kiln import checksum
 from kiln.errors import KilnError
 from kiln.kernels import quantize_weight
+from kiln.kernels.quant import quantize_weight_int4
 from kiln.models.llama import CausalLM
-from kiln.models.quantization import SCHEMES
+from kiln.models.quantization import SCHEMES, int4_group
 from kiln.weights.safetensors_file import SafetensorsFile, checkpoint_files
 from kiln.models.tensor_parallel import Shard
 
@@ -31,17 +32,20 @@ PROJECTION_WEIGHTS = tuple(f".{p}.weight" for p in ("q_proj", "k_proj", "v_proj"
 """The checkpoint tensors `--quantization` quantizes (Hugging Face's names)."""
 
 
-def checkpoint_bytes(model_dir: Path, dtype: torch.dtype, quantize: bool = False) -> int:
+def checkpoint_bytes(model_dir: Path, dtype: torch.dtype, quantize: str | None = None) -> int:
     """Bytes the checkpoint's tensors take once loaded to run in `dtype` (floating-point tensors are
-    cast to it; int8/fp8 weights stay as stored; with `quantize`, projections take a byte a weight and
-    a scale a row), read from the files' headers alone."""
+    cast to it; quantized weights stay as stored; with the `quantize` scheme, projections take a byte
+    a weight and a scale a row, or for int4 half a byte and a scale a group), read from the files'
+    headers alone."""
     total = 0
     for path in checkpoint_files(model_dir):
         with SafetensorsFile(path) as f:
             for name in f.keys():
                 stored = f.dtype(name)
                 if quantize and stored.itemsize > 1 and name.endswith(PROJECTION_WEIGHTS):
-                    total += f.numel(name) + 4 * f.shape(name)[0]
+                    rows, k = f.shape(name)
+                    total += rows * k // 2 + 4 * rows * (k // int4_group(k)) if quantize == "int4" else \
+                        rows * k + 4 * rows
                     continue
                 size = dtype.itemsize if stored.is_floating_point and stored.itemsize > 1 else stored.itemsize
                 total += size * f.numel(name)
@@ -68,11 +72,18 @@ def _sources(model: CausalLM, pname: str, param: torch.Tensor) -> list[tuple[str
 
 def _fit(name: str, tensor: torch.Tensor, param: torch.Tensor, rows: int, path: Path) -> torch.Tensor:
     """Check one checkpoint tensor against its slice of `param`; returns it in the slice's shape."""
+    if name.endswith(".weight_packed"):  # 4-bit codes eight to an int32: as bytes, two to a byte (little-endian)
+        if tensor.dtype != torch.int32:
+            raise KilnError(f"tensor {name!r} in {path.name} is {tensor.dtype}, but pack-quantized weights are "
+                            "torch.int32: the weights do not match the config")
+        tensor = tensor.contiguous().view(torch.uint8)
     quantized = param.dtype in (torch.int8, torch.float8_e4m3fn)
     if quantized and tensor.dtype != param.dtype:
         raise KilnError(f"tensor {name!r} in {path.name} is {tensor.dtype}, but config.json's "
                         f"quantization_config implies {param.dtype}: the weights do not match the config")
-    if name.endswith((".weight_scale", ".input_scale")):
+    if name.endswith(".weight_scale") and param.dim() == 2:  # int4: a scale per row and group
+        pass
+    elif name.endswith((".weight_scale", ".input_scale")):
         # per-channel scales are stored [N, 1]; per-tensor ones [1] or [] and hold for every row
         tensor = tensor.reshape(-1)
         if tensor.numel() == 1:
@@ -139,11 +150,31 @@ def _quantize_into(tensor: torch.Tensor, scheme: str, model: CausalLM, weight: t
                    offset: int, rows: int, name: str, path: Path) -> None:
     """Quantize one full-precision checkpoint slice into its rows of a projection's codes and scales, as
     `quantize_model` would the whole loaded projection (per row, from the model dtype's values)."""
-    _check_shape(name, tensor, (rows, *weight.shape[1:]), path)
-    codes, scales = quantize_weight(tensor.to(model.model.embed_tokens.weight.dtype), weight.dtype,
-                                    SCHEMES[scheme].weight_max)
+    _check_shape(name, tensor, (rows, weight.shape[1] * (2 if scheme == "int4" else 1)), path)
+    tensor = tensor.to(model.model.embed_tokens.weight.dtype)
+    if scheme == "int4":
+        codes, scales = quantize_weight_int4(tensor, tensor.shape[1] // scale.shape[1])
+    else:
+        codes, scales = quantize_weight(tensor, weight.dtype, SCHEMES[scheme].weight_max)
     weight.data[offset:offset + rows].copy_(codes)
     scale.data[offset:offset + rows].copy_(scales)
+
+
+def _packs_int4(model: CausalLM) -> bool:
+    quantization = model.config.quantization
+    return quantization is not None and quantization.scheme == "int4"
+
+
+def _check_weight_shape(f: SafetensorsFile, name: str, params: dict, targets: dict) -> None:
+    """A pack-quantized projection's `weight_shape` ([N, K] of its codes) against its parameter's slice."""
+    target = targets.get(name.removesuffix("_shape") + "_packed")
+    if target is None:
+        raise KilnError(f"unexpected tensor {name!r} in {f.path.name}: no packed weight of this model has that name")
+    pname, _, rows = target
+    want = [rows, 2 * params[pname].shape[1]]
+    if f.tensor(name).tolist() != want:
+        raise KilnError(f"tensor {name!r} in {f.path.name} says the weight is {f.tensor(name).tolist()}, but "
+                        f"config.json implies {want}: the weights do not match the config")
 
 
 def load_weights(model: CausalLM, model_dir: str | Path) -> str:
@@ -157,6 +188,9 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> str:
                for pname, p in params.items() for name, offset, rows in _sources(model, pname, p)}
     if getattr(model, "quantize_on_load", None) is not None:  # the scales come from quantizing, not the file
         targets = {name: target for name, target in targets.items() if not target[0].endswith(".weight_scale")}
+    if _packs_int4(model):  # a pack-quantized checkpoint names the codes weight_packed
+        targets = {name + "_packed" if name.endswith(".weight") and params[target[0]].dtype == torch.uint8 else name:
+                   target for name, target in targets.items()}
     for pname, p in params.items():
         if pname.endswith(".input_scale"):
             p.data.zero_()  # a static input scale is the max over the slices that share it
@@ -170,8 +204,10 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> str:
                 reads = []
                 try:
                     for name in f.keys():
-                        if not (name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight"
-                                                                    and model.config.tie_word_embeddings)):
+                        if name.endswith(".weight_shape") and _packs_int4(model):
+                            _check_weight_shape(f, name, params, targets)
+                        elif not (name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight"
+                                                                      and model.config.tie_word_embeddings)):
                             loaded.add(name)
                             reads += _load_tensor(f, name, model, params, targets, pool)
                 finally:

@@ -27,9 +27,9 @@ class ModelWeights:
         self.checksum: str | None = None
         """The checksum of every checkpoint byte loaded (`kiln.checksum`): what keys the packed weights."""
 
-    def bytes_in(self, dtype: torch.dtype, quantize: bool = False) -> int:
+    def bytes_in(self, dtype: torch.dtype, quantize: str | None = None) -> int:
         """The memory the checkpoint's tensors take once loaded to run in `dtype`, its projections
-        quantized to a byte a weight with `quantize` (from file headers)."""
+        quantized with the `quantize` scheme (from file headers)."""
         return loader.checkpoint_bytes(self.model_dir, dtype, quantize)
 
     def load_into(self, model: nn.Module) -> str:

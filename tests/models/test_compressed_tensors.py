@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from kiln import LLM, KilnError, SamplingParams
 from kiln.compiler.artifact import pass_matches, read_manifest
 from kiln.models.compressed_tensors import CheckpointQuantization, parse_quantization_config
-from kiln.models.quantization import QuantLinear
+from kiln.models.quantization import Int4Linear, QuantLinear
 from tests.oracle import PROMPTS, hf_greedy
 from tests.quant_checkpoints import calibrate, dequantized_reference, quant_config, write_compressed
 
@@ -37,9 +37,21 @@ def _edit(path: str, value) -> dict:
     return qc
 
 
+def _int4_edit(key: str, value) -> dict:
+    qc = quant_config("int4")
+    qc["config_groups"]["group_0"]["weights"][key] = value
+    return qc
+
+
+def test_parses_w4a16_groups():
+    assert parse_quantization_config(quant_config("int4", group_size=64)) == \
+        CheckpointQuantization("int4", False, False, group_size=64)
+
+
 @pytest.mark.parametrize("qc, message", [
     ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported"),
-    (_edit("config_groups.group_0.weights.num_bits", 4), "weights are 4-bit int"),
+    (_edit("config_groups.group_0.weights.num_bits", 4), "4-bit weights in format 'int-quantized'"),
+    (_edit("config_groups.group_0.weights.num_bits", 2), "weights are 2-bit int"),
     (_edit("config_groups.group_0.weights.symmetric", False), "weights are asymmetric"),
     (_edit("config_groups.group_0.input_activations", None), "weight-only quantization"),
     (_edit("config_groups.group_0.weights.strategy", "group"), "weight strategy 'group'"),
@@ -47,7 +59,12 @@ def _edit(path: str, value) -> dict:
     (_edit("config_groups.group_0.input_activations.type", "float"), "int weights with float activations"),
     (_edit("kv_cache_scheme", {"num_bits": 8, "type": "float"}), "quantized KV cache"),
     (_edit("ignore", ["lm_head", "re:.*down_proj"]), "ignore entry 're:.*down_proj'"),
-    (_edit("format", "pack-quantized"), "format 'pack-quantized'"),
+    (_edit("format", "pack-quantized"), "pack-quantized weights of other than 4 bits"),
+    ({**quant_config("int4"), "format": "int-quantized"}, "4-bit weights in format 'int-quantized'"),
+    (_int4_edit("symmetric", False), "with zero points"),
+    (_int4_edit("strategy", "channel"), "4-bit weight strategy 'channel'"),
+    (_int4_edit("actorder", "group"), "actorder 'group'"),
+    (_int4_edit("group_size", 20), "group_size 20"),
 ])
 def test_refuses_layouts_it_cannot_run_exactly(qc, message):
     with pytest.raises(KilnError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
@@ -85,6 +102,36 @@ def test_checkpoint_matches_dequantized_reference(demo_dirs, calibration, tmp_pa
         # kiln's and transformers' attention differ by ~1e-6, which can tip one activation across a
         # rounding boundary of the quantizer (an fp8 step is 1/16 of the value): hence 1e-3, not 1e-4
         torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(logprobs), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("arch, group", [("llama", 128), ("qwen2", 32)])  # qwen2: 288 wide
+def test_w4a16_checkpoint_matches_dequantized_reference(demo_dirs, tmp_path, arch, group):
+    """llm-compressor's pack-quantized W4A16 layout loads into kiln's int4 layers as it is (codes and
+    scales exactly), and runs as W4A8: the reference quantizes the activations the same way."""
+    ckpt = write_compressed(demo_dirs[arch], tmp_path / "w4", "int4", group_size=group)
+    reference = dequantized_reference(demo_dirs[arch], ckpt, "int4")
+    llm = LLM(ckpt)
+    down = llm.model.model.layers[1].mlp.down_proj
+    assert isinstance(down, Int4Linear) and down.weight.dtype == torch.uint8
+    hidden, inter = llm.model_config.hidden_size, down.weight.shape[1] * 2
+    assert tuple(down.weight.shape) == (hidden, inter // 2) and tuple(down.weight_scale.shape) == (hidden, inter // group)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    for prompt in PROMPTS[:4]:
+        ids = llm.tokenizer.encode(prompt)
+        out = llm.generate([ids], params)[0]
+        tokens, logprobs = hf_greedy(reference, ids, 8)
+        assert out.token_ids == tokens
+        torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(logprobs), atol=1e-3, rtol=0)
+
+
+def test_w4a16_weight_shape_is_checked(demo_dirs, tmp_path):
+    ckpt = write_compressed(demo_dirs["llama"], tmp_path / "w4", "int4")
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["model.layers.0.mlp.down_proj.weight_shape"] = torch.tensor([256, 256], dtype=torch.int32)
+    save_file(tensors, ckpt / "model.safetensors")
+    with pytest.raises(KilnError, match=r"'model.layers.0.mlp.down_proj.weight_shape' in model.safetensors says the "
+                                        r"weight is \[256, 256\], but config.json implies \[256, 512\]"):
+        LLM(ckpt)
 
 
 def test_merged_projection_takes_the_largest_input_scale(demo_dirs, calibration, tmp_path):

@@ -20,12 +20,12 @@ SCHEMES = ["int8", "fp8", "int8-static", "fp8-static"]
 
 @pytest.fixture(scope="session")
 def quantized_llms(demo_dirs, hf_models, tmp_path_factory) -> dict[str, LLM]:
-    """The demo llama quantized five ways: online per-token int8/fp8 (and w7a8, int8 with 7-bit weight
-    codes: its activations are int8's), and compressed-tensors checkpoints with calibrated static
+    """The demo llama quantized six ways: online per-token int8/fp8 (and w7a8, int8 with 7-bit weight
+    codes: its activations are int8's; and int4, W4A8 in groups), and compressed-tensors checkpoints with calibrated static
     activation scales."""
     amax = calibrate(hf_models["llama"], demo_dirs["llama"])
     root = tmp_path_factory.mktemp("static")
-    llms = {s: LLM(demo_dirs["llama"], quantization=s) for s in ("int8", "w7a8", "fp8")}
+    llms = {s: LLM(demo_dirs["llama"], quantization=s) for s in ("int8", "w7a8", "fp8", "int4")}
     for s in ("int8", "fp8"):
         llms[f"{s}-static"] = LLM(write_compressed(demo_dirs["llama"], root / s, s, input_amax=amax))
     llms[None] = LLM(demo_dirs["llama"])

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from kiln.kernels import gemms
+from kiln.kernels import gemms, panel_linear
 from kiln.passes import count_ops, gemm_choice
 from kiln.config import PassConfig
 from kiln.passes import PassManager
@@ -127,6 +127,33 @@ def test_int8_without_the_packed_kernel_calls_int_mm_in_the_graph(quantized_llms
     assert formats == {} and {c.kernel for c in choices} == {"aten"}
     assert count_ops(graph, ops.scaled_mm) == 0 and count_ops(graph, aten._int_mm) == 4 * layers
     assert_same_outputs(llm, traced, traced_graphs["int8"])  # scaled_mm's own arithmetic, in its order
+
+
+@pytest.mark.parametrize("panels", [True, False])
+def test_int4_projections_run_on_the_panel_gemm_or_dequantize_in_the_graph(quantized_llms, traced_graphs,
+                                                                         monkeypatch, panels):
+    """int4 is never timed: kiln's W4A8 panel GEMM where it runs (AVX-512 VNNI), else the weight
+    dequantized in the graph for torch's float GEMM (any CPU); both give `int4_scaled_mm`'s numbers."""
+    llm, traced = quantized_llms["int4"], fresh(traced_graphs["int4"])
+    layers = llm.model_config.num_layers
+    probe = gemms.Projection("int4", (64, 64), torch.uint8, False, groups=1)
+    if panels and (why := gemms.PANELS16_INT4.unavailable(probe)) is not None:
+        pytest.skip(f"panels16_int4: {why}: never chosen here")
+    if not panels:
+        monkeypatch.setattr(panel_linear, "available", lambda shape, dtype, groups=0: "no VNNI (stand-in)")
+    timed = []
+    choices, formats = GemmChooser(timer=packed_faster(timed))(traced.graph.graph, (1, 16))
+    traced.graph.recompile()
+    graph = traced.graph.graph
+    assert timed == [] and count_ops(graph, ops.int4_scaled_mm) == 0
+    kernel = "panels16_int4" if panels else "aten"
+    assert {c.kind for c in choices} == {"int4"} and {c.kernel for c in choices} == {kernel}
+    assert count_ops(graph, ops.panel_int4_linear) == (4 * layers if panels else 0)
+    assert count_ops(graph, aten.mm) == (0 if panels else 4 * layers)
+    assert set(formats.values()) == ({kernel} if panels else set())
+    # the dequantized weight's fp32 products sum in another order than the exact per-group sums, and a
+    # requantized activation downstream can round the other way: 3e-4 seen, as fp8's oneDNN path
+    assert_same_outputs(llm, traced, traced_graphs["int4"], _weight_names(traced, formats), 1e-4 if panels else 2e-3)
 
 
 def test_kernel_with_other_numbers_is_rejected(traced_graphs, monkeypatch):

@@ -16,7 +16,7 @@ from kiln.models.registry import create_model
 from kiln.weights.loader import load_weights
 
 
-@pytest.mark.parametrize("scheme", ["int8", "w7a8", "fp8"])
+@pytest.mark.parametrize("scheme", ["int8", "w7a8", "fp8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_same_weights_as_quantizing_after_loading(demo_dirs, scheme, dtype):
     model_dir = demo_dirs["qwen2"]  # biased q/k/v
@@ -71,15 +71,16 @@ def test_loading_int8_never_holds_the_full_precision_projections(tmp_path):
     assert streamed < fp32_projections / 2  # the int8 codes (a quarter) and one tensor in flight
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_the_memory_check_counts_the_quantized_bytes(demo_dirs, arch):
+def test_the_memory_check_counts_the_quantized_bytes(demo_dirs, arch, scheme):
     """What `LLM` checks against the memory available before loading: the bytes the model then holds."""
     from kiln.weights.model_weights import ModelWeights
 
     cfg = ModelConfig.from_model_dir(demo_dirs[arch])
     for dtype in (torch.float32, torch.bfloat16):
-        model = create_model(cfg, dtype, quantize="int8")
+        model = create_model(cfg, dtype, quantize=scheme)
         load_weights(model, demo_dirs[arch])
         held = sum(p.numel() * p.element_size() for p in model.parameters())
         weights = ModelWeights(demo_dirs[arch])
-        assert weights.bytes_in(dtype, quantize=True) == held < weights.bytes_in(dtype)
+        assert weights.bytes_in(dtype, quantize=scheme) == held < weights.bytes_in(dtype)
