@@ -33,27 +33,38 @@ def gguf_name(name: str) -> str:
     return f"blk.{layer}.{_BLOCK[module]}.{kind}"
 
 
-def write_gguf(model_dir: Path, out: Path, llama_cpp: Path) -> Path:
-    """The checkpoint in `model_dir` (a Qwen2 config.json and safetensors) as an F32 GGUF at `out`."""
+ARCHS = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+"""The checkpoints written as GGUF here, and llama.cpp's name for each."""
+
+
+def write_gguf(model_dir: Path, out: Path, llama_cpp: Path, quant: str | None = None) -> Path:
+    """The checkpoint in `model_dir` (a Qwen2 or Llama config.json and safetensors) as a GGUF at `out`:
+    F32, or with `quant="Q8_0"` its matrices quantized by gguf-py as they are written (an 8B model's
+    F32 or BF16 file would not fit beside its checkpoint on a 64 GB disk). Tensors are streamed one at
+    a time: the writer never holds the model. A Llama-3 rope scaling is left out (speed only)."""
     sys.path.insert(0, str(llama_cpp / "src" / "vendor" / "llama.cpp" / "gguf-py"))
     import gguf
-    from safetensors.torch import load_file
+    import numpy as np
+    from safetensors import safe_open
 
     from kiln.models.config import ModelConfig
 
     cfg = ModelConfig.from_model_dir(model_dir)  # reads both transformers' config layouts (rope_parameters)
-    if cfg.architecture != "Qwen2ForCausalLM":
-        raise SystemExit(f"llama.cpp peer: only Qwen2 checkpoints are written as GGUF here, not {cfg.architecture}")
-    writer = gguf.GGUFWriter(str(out), arch="qwen2")
+    if cfg.architecture not in ARCHS:
+        raise SystemExit(f"llama.cpp peer: only {', '.join(ARCHS)} checkpoints are written as GGUF here, "
+                         f"not {cfg.architecture}")
+    qtype = getattr(gguf.GGMLQuantizationType, quant) if quant else None
+    writer = gguf.GGUFWriter(str(out), arch=ARCHS[cfg.architecture])
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_layers)
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_heads)
     writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_rope_dimension_count(cfg.head_dim)
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if quant == "Q8_0" else gguf.LlamaFileType.ALL_F32)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list([f"<{i}>" for i in range(cfg.vocab_size)])
@@ -61,27 +72,47 @@ def write_gguf(model_dir: Path, out: Path, llama_cpp: Path) -> Path:
     writer.add_token_merges(["< 0"])
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
-    for path in sorted(model_dir.glob("*.safetensors")):
-        for name, tensor in load_file(path).items():
-            writer.add_tensor(gguf_name(name), tensor.float().numpy())
+    files = sorted(model_dir.glob("*.safetensors"))
+    names = [(path, name) for path in files for name in safe_open(path, "pt").keys()]
+
+    def quantized(shape) -> bool:
+        return qtype is not None and len(shape) == 2
+
+    for path, name in names:  # the tensor table first, then each tensor's bytes in the same order
+        with safe_open(path, "pt") as f:
+            shape = f.get_slice(name).get_shape()
+        if quantized(shape):
+            byte_shape = gguf.quant_shape_to_byte_shape(shape, qtype)
+            writer.add_tensor_info(gguf_name(name), byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), qtype)
+        else:
+            writer.add_tensor_info(gguf_name(name), shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for path, name in names:
+        with safe_open(path, "pt") as f:
+            data = f.get_tensor(name).float().numpy()
+        writer.write_tensor_data(gguf.quants.quantize(data, qtype) if quantized(data.shape) else data)
     writer.close()
     return out
 
 
-def prepare(model_dir: Path, work: Path, llama_cpp: Path, systems: list[str]) -> dict[str, Path]:
-    """Each llama.cpp system's GGUF file: the F32 one written once, the others quantized from it."""
-    f32 = work / "model-f32.gguf"
-    if not f32.is_file():
-        write_gguf(model_dir, f32, llama_cpp)
+def prepare(model_dir: Path, work: Path, llama_cpp: Path, systems: list[str], source: str | None = None) -> dict[str, Path]:
+    """Each llama.cpp system's GGUF file, written once: the F32 file (`source` None), or the file of type
+    `source` ("Q8_0", for a model whose F32 file would not fit on the disk), then each other type made
+    from it by `llama-quantize` (from a Q8_0 source, requantized: its speed is what counts here)."""
+    base = work / f"model-{(source or 'f32').lower()}.gguf"
+    if not base.is_file():
+        write_gguf(model_dir, base, llama_cpp, source)
     files = {}
     for system in systems:
         kind = QUANTS[system]
-        files[system] = f32 if kind is None else work / f"model-{kind.lower()}.gguf"
-        if kind is not None and not files[system].is_file():
-            subprocess.run([str(llama_cpp / "bin" / "llama-quantize"), str(f32), str(files[system]), kind],
+        if source is not None and kind is None:
+            raise SystemExit(f"{system}: this model's GGUF is written as {source}, not F32")
+        files[system] = work / f"model-{(kind or 'f32').lower()}.gguf"
+        if not files[system].is_file():
+            requantize = ["--allow-requantize"] if source is not None else []
+            subprocess.run([str(llama_cpp / "bin" / "llama-quantize"), *requantize, str(base), str(files[system]), kind],
                            check=True, capture_output=True)
     return files
 

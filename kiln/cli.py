@@ -50,13 +50,9 @@ def _shaped_model(args: argparse.Namespace):
     # every rank compiles to the same graph, so rank 0's serves them all
     parallel = ParallelConfig(rank=0, world_size=args.tensor_parallel_size)
     config = ModelConfig.from_model_dir(Path(args.model_dir))
-    model = create_model(config, parse_dtype(config.resolve_dtype(args.dtype)),
-                         parse_device(args.device), parallel=parallel)
-    if args.quantization:
-        from kiln.models.quantization import quantize_model
-
-        quantize_model(model, args.quantization)
-    return model
+    # quantized layers built empty, as a load fills them: an 8B model's full-precision weights never exist here
+    return create_model(config, parse_dtype(config.resolve_dtype(args.dtype)), parse_device(args.device),
+                        parallel=parallel, quantize=args.quantization)
 
 
 def _cache_dir(args: argparse.Namespace):

@@ -7,6 +7,7 @@ import sys
 import tempfile
 
 import pytest
+import torch
 
 from kiln.bench import startup
 from kiln.errors import KilnError
@@ -194,6 +195,10 @@ def test_bench_decode_reports_each_batch_against_the_bandwidth_floor(demo_dirs, 
         assert row["floor_fraction"] == pytest.approx(report["floor_ms_per_step"] / row["ms_per_token"], rel=1e-2)
     assert report["floor_ms_per_step"] == pytest.approx(
         report["weight_bytes_per_step"] / (report["read_bandwidth_gb_s"] * 1e9) * 1e3, rel=1e-2)
+    by = report["read_bandwidth_by"]  # the floor takes the faster read: a sum's, or the int8 panel GEMM's
+    assert "sum" in by and report["read_bandwidth_gb_s"] == pytest.approx(max(by.values()), abs=0.01)
+    from kiln.kernels import panel_linear
+    assert ("gemv" in by) == (panel_linear.available((4096, 4096), torch.int8) is None)
 
 
 def test_decode_weight_bytes_count_the_head_once_and_no_embedding_lookup(demo_dirs):

@@ -157,7 +157,8 @@ def _panels_int8_runner(p: Projection, weight: NextWeight, bias, scale) -> Calla
 
 def _panels_int4_runner(p: Projection, weight: NextWeight, bias, scale) -> Callable:
     gemm = panel_linear.timing_kernel(panel_linear.INT4)
-    return lambda a, s: gemm(a, weight(), scale)
+    scales = panel_linear.pack_int4_scales(scale)
+    return lambda a, s: gemm(a, weight(), scales)
 
 
 def _widened_runner(p: Projection, weight: NextWeight, bias, scale) -> Callable:
@@ -272,6 +273,9 @@ PANELS16_INT4 = GemmCandidate("panels16_int4", ("int4",), (torch.uint8,),
                               "4-bit codes, unpacked in registers", _panels_int4_runner, _panels_int4_emit,
                               panel_linear.pack_int4, plain=True, op=ops.panel_int4_linear.default,
                               check=_panels_check)
+INT4_SCALES = GemmCandidate("panels16_int4_scales", (), None, "the group scales of a weight on kiln's W4A8 panel "
+                            "GEMM, each panel's [groups, 16] in order (a format, never a kernel of its own)",
+                            _aten_runner, None, panel_linear.pack_int4_scales, plain=True)
 WIDENED = GemmCandidate("widened", INT8_KINDS, (torch.int8,),
                         "int8 codes widened to fp32 per call for torch's float GEMM (exact: integer products): "
                         "where a CPU's int8 GEMMs are slow, large prefill chunks compute faster so",
@@ -280,9 +284,11 @@ WIDENED = GemmCandidate("widened", INT8_KINDS, (torch.int8,),
 ALL = (ONEDNN, ONEDNN_INT8, FBGEMM_INT8, FBGEMM_W7A8, ONEDNN_FP8, PANELS16, PANELS16_INT8, PANELS16_INT4, WIDENED)
 """The candidates, in the order they are tried (ties go to the earlier)."""
 BY_ID = {c.id: c for c in (ATEN, *ALL)}
-FORMATS = {c.id: c for c in ALL if c.packed}
-"""The weight formats: a packed candidate's format has its id."""
-PLAIN_FORMATS = tuple(c.id for c in ALL if c.plain)
+FORMATS = {c.id: c for c in (*ALL, INT4_SCALES) if c.packed}
+"""The weight formats: a packed candidate's format has its id (and the int4 panel GEMM's scales have theirs)."""
+SCALE_FORMATS = {PANELS16_INT4.id: INT4_SCALES.id}
+"""The format of the scales a kernel reads beside its weight, where it packs them too."""
+PLAIN_FORMATS = tuple(c.id for c in (*ALL, INT4_SCALES) if c.plain)
 """Formats whose packed weight is a plain tensor of the weight's shape and dtype, which `pack` can write
 into memory given to it (the pack cache gives a file's)."""
 

@@ -137,6 +137,22 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return codes[:, 0::2] | (codes[:, 1::2] << 4)
 
 
+def pack_int4_scales(scales: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """4-bit codes' group scales [N, groups] fp32 -> the same shape holding each panel's [groups, 16], which
+    the int4 kernel reads in order as it reads the panel's codes (a plain row of 16 strided scales would
+    be a gather per group). Written into `out` (contiguous [N, groups] fp32) if given."""
+    n, groups = scales.shape
+    out = torch.empty((n, groups), dtype=scales.dtype) if out is None else out
+    out.view(n // PANEL, groups, PANEL).copy_(scales.reshape(n // PANEL, PANEL, groups).transpose(1, 2))
+    return out
+
+
+def unpack_int4_scales(packed: torch.Tensor) -> torch.Tensor:
+    """The scales `pack_int4_scales` was given."""
+    n, groups = packed.shape
+    return packed.view(n // PANEL, groups, PANEL).transpose(1, 2).reshape(n, groups)
+
+
 @torch.library.custom_op("kiln::panel_linear", mutates_args=())
 def panel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias) in fp32, `weight` holding W [N, K] packed by `pack`. This function is
@@ -167,12 +183,12 @@ def _(a, weight):
 def panel_int4_linear(a: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """a [M, K] int8 @ W.T by groups, each group's sums times its scale, as fp32 (`kiln::int4_scaled_mm`
     before the activation's scale), `weight` holding W's 4-bit codes packed by `pack_int4` and `scales`
-    [N, groups] fp32. This function is the reference (it unpacks W); a compiled piece runs the kernel
-    (`INT4_SOURCE`)."""
+    its [N, groups] fp32 scales packed by `pack_int4_scales`. This function is the reference (it unpacks
+    both); a compiled piece runs the kernel (`INT4_SOURCE`)."""
     from kiln.kernels.quant import int4_scaled_mm
 
     ones = a.new_ones((a.shape[0], 1), dtype=torch.float32)
-    return int4_scaled_mm(a, unpack_int4(weight), ones, scales, torch.float32)
+    return int4_scaled_mm(a, unpack_int4(weight), ones, unpack_int4_scales(scales), torch.float32)
 
 
 @panel_int4_linear.register_fake
@@ -242,7 +258,7 @@ def timing_kernel(kernel: PanelKernel = FLOAT) -> Callable[..., torch.Tensor] | 
     gemm.argtypes = [ctypes.c_void_p] * (4 if extra else 3) + [ctypes.c_int64] * (4 if kernel.takes_scales else 3)
 
     def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W.T; `bias` is the bias, or for a kernel that takes scales the scales [N, groups] (fp32)."""
+        """x @ W.T; `bias` is the bias, or for a kernel that takes scales its packed scales (fp32)."""
         if bias is not None and not extra:
             raise ValueError(f"kiln::{kernel.op} takes no bias")
         x = x.contiguous()

@@ -127,9 +127,12 @@ class GemmChooser:
             if candidate is gemms.ATEN and sig.kind in ("float", "fp8"):  # what the graph calls already
                 continue
             for node, weight in nodes:
+                scales = node.args[3] if choice.kernel in gemms.SCALE_FORMATS else None
                 _rewrite(graph, node, weight, candidate)
                 if candidate.packed:
                     formats[weight.target] = choice.kernel
+                if scales is not None:
+                    formats[scales.target] = gemms.SCALE_FORMATS[choice.kernel]
         return choices, formats
 
     def choose(self, sig: Projection, tokens: tuple[int, ...]) -> GemmChoice:
@@ -195,8 +198,8 @@ def _site(node: fx.Node, int8_kind: str = "int8") -> tuple[Projection, fx.Node] 
         return None
     if node.target is ops.int4_scaled_mm.default:
         weight, scales = node.args[1], node.args[3]
-        if not _is_cpu_input(weight):
-            return None
+        if not (_is_cpu_input(weight) and _is_cpu_input(scales) and len(scales.users) == 1):
+            return None  # (the panel GEMM packs the scales too: they must be an input only this reads)
         val = weight.meta["val"]
         bias = len(node.args) > 5 and node.args[5] is not None or node.kwargs.get("bias") is not None
         return Projection("int4", tuple(val.shape), val.dtype, bias, node.args[4],

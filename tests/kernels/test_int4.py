@@ -48,6 +48,13 @@ def test_panel_layout():
         assert (line[4 * c + j] >> 4).item() == codes[16 + c, 20 + j] + 8
 
 
+def test_scales_are_packed_per_panel():
+    scales = torch.rand(32, 3)
+    packed = panel_linear.pack_int4_scales(scales)
+    assert torch.equal(packed.view(2, 3, 16)[1, 2], scales[16:, 2])  # panel 1, group 2: its 16 channels' scales
+    assert torch.equal(panel_linear.unpack_int4_scales(packed), scales)
+
+
 def test_reference_sums_each_group_exactly():
     a = torch.randint(-127, 128, (3, 64), dtype=torch.int8)
     codes = torch.randint(-8, 8, (16, 64), dtype=torch.int8)
@@ -74,9 +81,10 @@ def test_panel_gemm_gives_the_references_numbers(m, n, k, group):
     scales = torch.rand(n, k // group) * 0.01 + 1e-3
     plain = pack_nibbles(codes)
     want = int4_scaled_mm(a, plain, torch.ones(m, 1), scales, torch.float32)
-    got = gemm(a, panel_linear.pack_int4(plain), scales)
+    packed, packed_scales = panel_linear.pack_int4(plain), panel_linear.pack_int4_scales(scales)
+    got = gemm(a, packed, packed_scales)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-    torch.testing.assert_close(panel_linear.panel_int4_linear(a, panel_linear.pack_int4(plain), scales), want)
+    torch.testing.assert_close(panel_linear.panel_int4_linear(a, packed, packed_scales), want)
 
 
 def test_shapes_the_panel_gemm_refuses():

@@ -150,10 +150,15 @@ def test_int4_projections_run_on_the_panel_gemm_or_dequantize_in_the_graph(quant
     assert {c.kind for c in choices} == {"int4"} and {c.kernel for c in choices} == {kernel}
     assert count_ops(graph, ops.panel_int4_linear) == (4 * layers if panels else 0)
     assert count_ops(graph, aten.mm) == (0 if panels else 4 * layers)
-    assert set(formats.values()) == ({kernel} if panels else set())
+    named = _weight_names(traced, formats)  # the panel GEMM reads its scales packed too
+    assert named == ({n: f for layer in range(layers) for proj in ("self_attn.qkv_proj", "self_attn.o_proj",
+                                                                   "mlp.gate_up_proj", "mlp.down_proj")
+                      for n, f in ((f"model.layers.{layer}.{proj}.weight", "panels16_int4"),
+                                   (f"model.layers.{layer}.{proj}.weight_scale", "panels16_int4_scales"))}
+                     if panels else {})
     # the dequantized weight's fp32 products sum in another order than the exact per-group sums, and a
     # requantized activation downstream can round the other way: 3e-4 seen, as fp8's oneDNN path
-    assert_same_outputs(llm, traced, traced_graphs["int4"], _weight_names(traced, formats), 1e-4 if panels else 2e-3)
+    assert_same_outputs(llm, traced, traced_graphs["int4"], named, 1e-4 if panels else 2e-3)
 
 
 def test_kernel_with_other_numbers_is_rejected(traced_graphs, monkeypatch):

@@ -1,7 +1,8 @@
 // kiln::panel_int4_linear's kernel: out [M, N] fp32 = the sum over K's groups of (a [M, K] int8 @ W.T
 // summed in int32 within the group) x the group's scale per output channel, W's 4-bit codes packed by
-// `panel_linear.pack_int4` and its scales [N, groups] fp32 as loaded. Compiled alone to time it, and spliced
-// into the wrapper of a piece that calls it.
+// `panel_linear.pack_int4` and its scales [N, groups] fp32 by `pack_int4_scales` (each panel's [groups, 16],
+// read in order beside its codes). Compiled alone to time it, and spliced into the wrapper of a piece that
+// calls it.
 //
 // A 64-byte line of a panel holds 8 K of its 16 channels as unsigned codes w + 8, the first 4 K in the low
 // nibbles and the next 4 in the high ones: two masks and a shift give the bytes `vpdpbusd` multiplies by
@@ -31,27 +32,42 @@ namespace kiln_panel_int4 {
 
 // ROWS (<= 8) token rows of a, four codes to an int32 and transposed ([K / 4, ROWS]), with their shifts
 // ([groups, ROWS]), times one panel of 16 channels (`lines` 64-byte lines a group), into out as fp32;
-// `scales` is the panel's first channel's row of [N, groups]
+// `scales` is the panel's [groups, 16]
 template <int ROWS>
 static inline void panel(const int32_t* __restrict a, const int32_t* __restrict shift,
                          const float* __restrict scales, int64_t groups, int64_t lines,
                          const uint8_t* __restrict w, float* __restrict out, int64_t N) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const __m512i channel_rows = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)groups));
   KILN_INT4_EACH_ROW(KILN_INT4_SUM)
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = w + g * lines * 64;
     const int32_t* ag = a + g * lines * 2 * ROWS;
     KILN_INT4_EACH_ROW(KILN_INT4_ACC)
-    for (int64_t s = 0; s < lines; ++s) {
+    int64_t s = 0;
+    if constexpr (ROWS == 1) {  // one row: two lines a step into four chains, so latency never waits on one
+      __m512i acc_next = _mm512_setzero_si512(), high_next = _mm512_setzero_si512();
+      for (; s + 1 < lines; s += 2) {
+        _mm_prefetch((const char*)(wg + (s + KILN_PREFETCH_LINES) * 64), _MM_HINT_T0);
+        _mm_prefetch((const char*)(wg + (s + 1 + KILN_PREFETCH_LINES) * 64), _MM_HINT_T0);
+        const __m512i v = _mm512_loadu_si512(wg + s * 64), u = _mm512_loadu_si512(wg + (s + 1) * 64);
+        acc0 = _mm512_dpbusd_epi32(acc0, _mm512_and_si512(v, nibble), _mm512_set1_epi32(ag[2 * s]));
+        high0 = _mm512_dpbusd_epi32(high0, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble),
+                                    _mm512_set1_epi32(ag[2 * s + 1]));
+        acc_next = _mm512_dpbusd_epi32(acc_next, _mm512_and_si512(u, nibble), _mm512_set1_epi32(ag[2 * s + 2]));
+        high_next = _mm512_dpbusd_epi32(high_next, _mm512_and_si512(_mm512_srli_epi16(u, 4), nibble),
+                                        _mm512_set1_epi32(ag[2 * s + 3]));
+      }
+      acc0 = _mm512_add_epi32(acc0, acc_next);
+      high0 = _mm512_add_epi32(high0, high_next);
+    }
+    for (; s < lines; ++s) {
       _mm_prefetch((const char*)(wg + (s + KILN_PREFETCH_LINES) * 64), _MM_HINT_T0);
       const __m512i v = _mm512_loadu_si512(wg + s * 64);
       const __m512i lo = _mm512_and_si512(v, nibble);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
       KILN_INT4_EACH_ROW(KILN_INT4_DOT)
     }
-    const __m512 scale = _mm512_i32gather_ps(channel_rows, scales + g, 4);
+    const __m512 scale = _mm512_loadu_ps(scales + g * KILN_PANEL);
     KILN_INT4_EACH_ROW(KILN_INT4_SCALE)
   }
   KILN_INT4_EACH_ROW(KILN_INT4_STORE)
@@ -94,7 +110,8 @@ static void kiln_panel_int4_panels(const int32_t* at, const int32_t* shift, cons
 }
 
 // out [M, N] fp32 = a [M, K] int8 @ W.T by groups of K / groups, each group's int32 sums times its scale,
-// W's codes packed by `pack_int4` ([N, K / 2] bytes), `scales` [N, groups] (K / groups a multiple of 8)
+// W's codes packed by `pack_int4` ([N, K / 2] bytes), `scales` [N, groups] by `pack_int4_scales` (K / groups a
+// multiple of 8)
 extern "C" void kiln_panel_int4_gemm(const int8_t* a, const uint8_t* w, const float* scales, float* out, int64_t M,
                                      int64_t N, int64_t K, int64_t groups) {
   const int64_t panels = N / KILN_PANEL;
