@@ -14,7 +14,7 @@ first use, so its load alone touches little). With
 serving on (default), `kiln compile DIR` and then `kiln serve DIR --require-artifact` answering one
 completion: compile seconds, start-to-ready seconds and the serving process's peak memory.
 
-With `--quantization int8` (or w7a8, fp8) kiln quantizes each projection as it reads it; the report
+With `--quantization int8` (or w7a8, fp8, int4) kiln quantizes each projection as it reads it; the report
 then gives the bytes the model holds (`weights_gb`) and its KV cache (`kv_cache_gb`), and the load's
 peak over their sum (`peak_added_x_weights_and_kv`): what an 8B-class checkpoint needs on a 24 GB machine.
 """
@@ -173,7 +173,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="0.5b,1.5b", help="comma-separated, of " + ", ".join(SHAPES))
     parser.add_argument("--no-serve", action="store_true", help="skip compiling and serving")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' load")
-    parser.add_argument("--quantization", choices=["int8", "w7a8", "fp8"], help="kiln quantizes while loading")
+    parser.add_argument("--quantization", choices=["int8", "w7a8", "fp8", "int4"], help="kiln quantizes while loading")
     parser.add_argument("--work", type=Path, help="where checkpoints and the artifact cache go (default: a "
                         "temporary directory)")
     parser.add_argument("--out", type=Path, help="write the JSON here too")

@@ -81,9 +81,8 @@ def _fit(name: str, tensor: torch.Tensor, param: torch.Tensor, rows: int, path: 
     if quantized and tensor.dtype != param.dtype:
         raise KilnError(f"tensor {name!r} in {path.name} is {tensor.dtype}, but config.json's "
                         f"quantization_config implies {param.dtype}: the weights do not match the config")
-    if name.endswith(".weight_scale") and param.dim() == 2:  # int4: a scale per row and group
-        pass
-    elif name.endswith((".weight_scale", ".input_scale")):
+    grouped = name.endswith(".weight_scale") and param.dim() == 2  # int4: a scale per row and group, as stored
+    if name.endswith((".weight_scale", ".input_scale")) and not grouped:
         # per-channel scales are stored [N, 1]; per-tensor ones [1] or [] and hold for every row
         tensor = tensor.reshape(-1)
         if tensor.numel() == 1:

@@ -169,3 +169,17 @@ def test_int8_artifact_on_packed_int8_weights_equals_int8_eager(demo_dirs, tmp_p
         assert c.token_ids == e.token_ids
         diff = (torch.tensor(c.logprobs) - torch.tensor(e.logprobs)).abs()  # as in the test above
         assert diff.max() < 2e-2 and diff.median() < 1e-4, diff
+
+
+def test_int4_is_refused_where_it_cannot_run():
+    from kiln.llm import _check_int4
+    from kiln.models.quantization import int4_group
+
+    with pytest.raises(KilnError, match="int4 .W4A8. weights run on the CPU only; this is cuda:0"):
+        _check_int4("int4", torch.device("cuda", 0), 1)
+    with pytest.raises(KilnError, match="not run under tensor parallelism yet: use --tensor-parallel-size 1"):
+        _check_int4("int4", torch.device("cpu"), 2)
+    _check_int4("int8", torch.device("cuda", 0), 2)  # not int4: not this check's business
+    assert int4_group(896) == 128 and int4_group(288) == 32
+    with pytest.raises(KilnError, match="groups of 32, 64 or 128; one has 100: use --quantization int8"):
+        int4_group(100)
