@@ -59,8 +59,9 @@ class GemmCandidate:
     output: for int8 and fp8 kinds the unscaled fp32 product (the pass adds `scaled_mm`'s epilogue;
     `bias` is then None); for int4 the product with the weight's group scales, which it gets in
     `bias`'s place (the pass adds the activation's scale and the bias). A runner of an int4 kernel
-    likewise gets the group scales [N, groups] as its weight scale. `pack` makes the weight format from the weight as loaded (None: the weight
-    as loaded), into `out` where `plain` (a plain tensor of the weight's shape and dtype)."""
+    likewise gets the group scales [N, groups] as its weight scale. `pack` makes the weight format from
+    the weight as loaded (None: the weight as loaded), into `out` where `plain` (a plain tensor of the
+    weight's shape and dtype)."""
 
     id: str
     kinds: tuple[str, ...]
@@ -157,7 +158,7 @@ def _panels_int8_runner(p: Projection, weight: NextWeight, bias, scale) -> Calla
 
 def _panels_int4_runner(p: Projection, weight: NextWeight, bias, scale) -> Callable:
     gemm = panel_linear.timing_kernel(panel_linear.INT4)
-    scales = panel_linear.pack_int4_scales(scale)
+    scales = panel_linear.pack(scale)
     return lambda a, s: gemm(a, weight(), scales)
 
 
@@ -275,7 +276,7 @@ PANELS16_INT4 = GemmCandidate("panels16_int4", ("int4",), (torch.uint8,),
                               check=_panels_check)
 INT4_SCALES = GemmCandidate("panels16_int4_scales", (), None, "the group scales of a weight on kiln's W4A8 panel "
                             "GEMM, each panel's [groups, 16] in order (a format, never a kernel of its own)",
-                            _aten_runner, None, panel_linear.pack_int4_scales, plain=True)
+                            _aten_runner, None, panel_linear.pack, plain=True)
 WIDENED = GemmCandidate("widened", INT8_KINDS, (torch.int8,),
                         "int8 codes widened to fp32 per call for torch's float GEMM (exact: integer products): "
                         "where a CPU's int8 GEMMs are slow, large prefill chunks compute faster so",

@@ -79,7 +79,7 @@ INT4 = PanelKernel("panel_int4_linear", INT4_SOURCE, "kiln_panel_int4_gemm", INT
 
 def pack(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """[N, K] fp32 weight -> the same shape and strides holding its panels: a compiled graph takes it
-    where it took the weight. Written into `out` (a contiguous [N, K] tensor of w's dtype) if given,
+    where it took the weight. (The int4 kernel's [N, groups] scales are packed so too.) Written into `out` (a contiguous [N, K] tensor of w's dtype) if given,
     else into a new tensor (`kiln.weights.formats` gives memory on huge pages). N must be a multiple
     of PANEL."""
     n, k = w.shape
@@ -137,22 +137,6 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return codes[:, 0::2] | (codes[:, 1::2] << 4)
 
 
-def pack_int4_scales(scales: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """4-bit codes' group scales [N, groups] fp32 -> the same shape holding each panel's [groups, 16], which
-    the int4 kernel reads in order as it reads the panel's codes (a plain row of 16 strided scales would
-    be a gather per group). Written into `out` (contiguous [N, groups] fp32) if given."""
-    n, groups = scales.shape
-    out = torch.empty((n, groups), dtype=scales.dtype) if out is None else out
-    out.view(n // PANEL, groups, PANEL).copy_(scales.reshape(n // PANEL, PANEL, groups).transpose(1, 2))
-    return out
-
-
-def unpack_int4_scales(packed: torch.Tensor) -> torch.Tensor:
-    """The scales `pack_int4_scales` was given."""
-    n, groups = packed.shape
-    return packed.view(n // PANEL, groups, PANEL).transpose(1, 2).reshape(n, groups)
-
-
 @torch.library.custom_op("kiln::panel_linear", mutates_args=())
 def panel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W.T (+ bias) in fp32, `weight` holding W [N, K] packed by `pack`. This function is
@@ -183,12 +167,13 @@ def _(a, weight):
 def panel_int4_linear(a: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """a [M, K] int8 @ W.T by groups, each group's sums times its scale, as fp32 (`kiln::int4_scaled_mm`
     before the activation's scale), `weight` holding W's 4-bit codes packed by `pack_int4` and `scales`
-    its [N, groups] fp32 scales packed by `pack_int4_scales`. This function is the reference (it unpacks
-    both); a compiled piece runs the kernel (`INT4_SOURCE`)."""
+    its [N, groups] fp32 scales packed by `pack` (each panel's [groups, 16], which the kernel reads in
+    order beside the panel's codes). This function is the reference (it unpacks both); a compiled piece
+    runs the kernel (`INT4_SOURCE`)."""
     from kiln.kernels.quant import int4_scaled_mm
 
     ones = a.new_ones((a.shape[0], 1), dtype=torch.float32)
-    return int4_scaled_mm(a, unpack_int4(weight), ones, unpack_int4_scales(scales), torch.float32)
+    return int4_scaled_mm(a, unpack_int4(weight), ones, unpack(scales), torch.float32)
 
 
 @panel_int4_linear.register_fake

@@ -84,14 +84,18 @@ def scaled_mm(
     else:  # fp32 out: unit per-tensor scales, then the row and column scales
         one = a_scale.new_ones((), dtype=torch.float32)
         out = torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.float32) * a_scale.float() * b_row
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(out_dtype)
+    return _biased(out, bias, out_dtype)
 
 
-@scaled_mm.register_fake
-def _(a, b, a_scale, b_scale, out_dtype, bias=None):
+def _biased(out: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    return (out if bias is None else out + bias.float()).to(out_dtype)
+
+
+def _scaled_mm_fake(a, b, a_scale, b_scale, out_dtype, bias=None):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+scaled_mm.register_fake(_scaled_mm_fake)
 
 
 def quantize_weight(w: torch.Tensor, dtype: torch.dtype,
@@ -178,12 +182,7 @@ def int4_scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_sc
     for g in range(groups):
         part = slice(g * size, (g + 1) * size)
         out += (x[:, part] @ codes[:, part].t()) * b_scale[:, g].float()
-    out = out * a_scale.float()
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(out_dtype)
+    return _biased(out * a_scale.float(), bias, out_dtype)
 
 
-@int4_scaled_mm.register_fake
-def _(a, b, a_scale, b_scale, out_dtype, bias=None):
-    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+int4_scaled_mm.register_fake(_scaled_mm_fake)

@@ -54,10 +54,11 @@ def test_panel_layout():
 
 
 def test_scales_are_packed_per_panel():
+    """As the fp32 panel GEMM's weight: each panel's [groups, 16], in order."""
     scales = torch.rand(32, 3)
-    packed = panel_linear.pack_int4_scales(scales)
+    packed = panel_linear.pack(scales)
     assert torch.equal(packed.view(2, 3, 16)[1, 2], scales[16:, 2])  # panel 1, group 2: its 16 channels' scales
-    assert torch.equal(panel_linear.unpack_int4_scales(packed), scales)
+    assert torch.equal(panel_linear.unpack(packed), scales)
 
 
 def test_reference_sums_each_group_exactly():
@@ -87,7 +88,7 @@ def test_panel_gemm_gives_the_references_numbers(m, n, k, group):
     scales = torch.rand(n, k // group) * 0.01 + 1e-3
     plain = pack_nibbles(codes)
     want = int4_scaled_mm(a, plain, torch.ones(m, 1), scales, torch.float32)
-    packed, packed_scales = panel_linear.pack_int4(plain), panel_linear.pack_int4_scales(scales)
+    packed, packed_scales = panel_linear.pack_int4(plain), panel_linear.pack(scales)
     got = gemm(a, packed, packed_scales)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     torch.testing.assert_close(panel_linear.panel_int4_linear(a, packed, packed_scales), want)

@@ -91,16 +91,19 @@ def test_int8_checkpoint_runs_exactly_like_online_int8(demo_dirs, tmp_path):
 def test_checkpoint_matches_dequantized_reference(demo_dirs, calibration, tmp_path, arch, scheme, per_tensor, static):
     ckpt = write_compressed(demo_dirs[arch], tmp_path / "ckpt", scheme, per_tensor,
                             calibration[arch] if static else None)
-    reference = dequantized_reference(demo_dirs[arch], ckpt, scheme)
-    llm = LLM(ckpt)
+    _assert_matches(LLM(ckpt), dequantized_reference(demo_dirs[arch], ckpt, scheme))
+
+
+def _assert_matches(llm: LLM, reference) -> None:
+    """8 greedy tokens of 4 prompts: the reference's tokens, logprobs within 1e-3. kiln's and transformers'
+    attention differ by ~1e-6, which can tip one activation across a rounding boundary of the quantizer
+    (an fp8 step is 1/16 of the value): hence 1e-3, not 1e-4."""
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
     for prompt in PROMPTS[:4]:
         ids = llm.tokenizer.encode(prompt)
         out = llm.generate([ids], params)[0]
         tokens, logprobs = hf_greedy(reference, ids, 8)
         assert out.token_ids == tokens
-        # kiln's and transformers' attention differ by ~1e-6, which can tip one activation across a
-        # rounding boundary of the quantizer (an fp8 step is 1/16 of the value): hence 1e-3, not 1e-4
         torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(logprobs), atol=1e-3, rtol=0)
 
 
@@ -115,13 +118,7 @@ def test_w4a16_checkpoint_matches_dequantized_reference(demo_dirs, tmp_path, arc
     assert isinstance(down, Int4Linear) and down.weight.dtype == torch.uint8
     hidden, inter = llm.model_config.hidden_size, down.weight.shape[1] * 2
     assert tuple(down.weight.shape) == (hidden, inter // 2) and tuple(down.weight_scale.shape) == (hidden, inter // group)
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
-    for prompt in PROMPTS[:4]:
-        ids = llm.tokenizer.encode(prompt)
-        out = llm.generate([ids], params)[0]
-        tokens, logprobs = hf_greedy(reference, ids, 8)
-        assert out.token_ids == tokens
-        torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(logprobs), atol=1e-3, rtol=0)
+    _assert_matches(llm, reference)
 
 
 def test_w4a16_weight_shape_is_checked(demo_dirs, tmp_path):

@@ -1,6 +1,6 @@
 // kiln::panel_int4_linear's kernel: out [M, N] fp32 = the sum over K's groups of (a [M, K] int8 @ W.T
 // summed in int32 within the group) x the group's scale per output channel, W's 4-bit codes packed by
-// `panel_linear.pack_int4` and its scales [N, groups] fp32 by `pack_int4_scales` (each panel's [groups, 16],
+// `panel_linear.pack_int4` and its scales [N, groups] fp32 by `pack` (each panel's [groups, 16],
 // read in order beside its codes). Compiled alone to time it, and spliced into the wrapper of a piece that
 // calls it.
 //
@@ -110,7 +110,7 @@ static void kiln_panel_int4_panels(const int32_t* at, const int32_t* shift, cons
 }
 
 // out [M, N] fp32 = a [M, K] int8 @ W.T by groups of K / groups, each group's int32 sums times its scale,
-// W's codes packed by `pack_int4` ([N, K / 2] bytes), `scales` [N, groups] by `pack_int4_scales` (K / groups a
+// W's codes packed by `pack_int4` ([N, K / 2] bytes), `scales` [N, groups] by `pack` (K / groups a
 // multiple of 8)
 extern "C" void kiln_panel_int4_gemm(const int8_t* a, const uint8_t* w, const float* scales, float* out, int64_t M,
                                      int64_t N, int64_t K, int64_t groups) {
