@@ -97,7 +97,8 @@ def write_gguf(model_dir: Path, out: Path, llama_cpp: Path, quant: str | None = 
     return out
 
 
-def prepare(model_dir: Path, work: Path, llama_cpp: Path, systems: list[str], source: str | None = None) -> dict[str, Path]:
+def prepare(model_dir: Path, work: Path, llama_cpp: Path, systems: list[str],
+            source: str | None = None) -> dict[str, Path]:
     """Each llama.cpp system's GGUF file, written once: the F32 file (`source` None), or the file of type
     `source` ("Q8_0", for a model whose F32 file would not fit on the disk), then each other type made
     from it by `llama-quantize` (from a Q8_0 source, requantized: its speed is what counts here)."""
@@ -112,8 +113,8 @@ def prepare(model_dir: Path, work: Path, llama_cpp: Path, systems: list[str], so
         files[system] = work / f"model-{(kind or 'f32').lower()}.gguf"
         if not files[system].is_file():
             requantize = ["--allow-requantize"] if source is not None else []
-            subprocess.run([str(llama_cpp / "bin" / "llama-quantize"), *requantize, str(base), str(files[system]), kind],
-                           check=True, capture_output=True)
+            quantize = [str(llama_cpp / "bin" / "llama-quantize"), *requantize, str(base), str(files[system]), kind]
+            subprocess.run(quantize, check=True, capture_output=True)
     return files
 
 

@@ -4,12 +4,13 @@
                                       [--demo-dir DIR] [--variants int8,int4,...]
 
 Accuracy (trained demo models, 8 prompts x 64 greedy tokens; W8A8 int8 and fp8, W7A8 int8 (7-bit
-weight codes), W4A8 int4 (groups of up to 128), the int8 LM head alone and with int8 W8A8 or int4): free-running agreement (same token at
-the same position; the first near-tie decides every later position) on the corpus's 8 paragraph
-openings and on the tests' 8 prompts (some one-word: no single right continuation), teacher-forced
-agreement on the latter (the quantized model's next token given the full-precision prefix), and
-the worst per-projection error (the LM head's error for the int8 head), and the mean gap of the
-full-precision model's log-probability of its own greedy token under the quantized model, teacher-forced.
+weight codes), W4A8 int4 (groups of up to 128), the int8 LM head alone and with int8 W8A8 or int4):
+free-running agreement (same token at the same position; the first near-tie decides every later
+position) on the corpus's 8 paragraph openings and on the tests' 8 prompts (some one-word: no single
+right continuation), teacher-forced agreement on the latter (the quantized model's next token given
+the full-precision prefix), the worst per-projection error (the LM head's error for the int8 head),
+and the mean gap of the full-precision model's log-probability of its own greedy token under the
+quantized model, teacher-forced.
 Speed: a model of Qwen2.5-0.5B's shape with random weights (built here, ~2 GB in fp32), eager or
 compiled, decode step time per batch size for fp32, int8, w7a8, fp8 and int4, one process, one run.
 """
@@ -177,7 +178,8 @@ def main() -> None:
         if not args.skip_accuracy:
             variants = [v for v in (args.variants or "").split(",") if v]
             if set(variants) - set(VARIANTS):
-                parser.error(f"unknown variants {sorted(set(variants) - set(VARIANTS))}; choose from {', '.join(VARIANTS)}")
+                unknown = sorted(set(variants) - set(VARIANTS))
+                parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
             results["accuracy"] = accuracy(Path(tmp), args.demo_dir, variants)
         if not args.skip_speed:
             batches = [int(b) for b in args.batches.split(",")]

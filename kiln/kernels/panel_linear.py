@@ -3,11 +3,11 @@ of 16 output channels, each panel's K x 16 block contiguous, streamed once per c
 token rows accumulate in registers, with the panel 16 KB ahead prefetched.
 
 At decode sizes a projection reads its weight from memory, and oneDNN's fp32 GEMM does not keep the
-memory busy while it computes: this kernel runs close to the time it takes to stream the weight,
-and the int8 kernel (`vpdpbusd`, four K per instruction) likewise, and the int4 kernel (W4A8: 4-bit
-codes unpacked to bytes in registers, group scales applied to each group's exact int32 sums); on small projections oneDNN's
-per-call costs outweigh the GEMM. docs/cpu.md has the measurements; the compile times both kernels
-against the others on every projection (`kiln.passes.gemm_choice`).
+memory busy while it computes: this kernel runs close to the time it takes to stream the weight, and
+so do the int8 kernel (`vpdpbusd`, four K per instruction) and the int4 kernel (W4A8: 4-bit codes
+unpacked to bytes in registers, each group's exact int32 sums times its scales); on small
+projections oneDNN's per-call costs outweigh the GEMM. docs/cpu.md has the measurements; the compile
+times the kernels against the others on every projection (`kiln.passes.gemm_choice`).
 
 Each kernel is C++ that AOTInductor compiles into the piece that calls it
 (`kiln.kernels.cpp_lowering` splices its `PanelKernel` sources into the generated wrapper), so it
