@@ -29,16 +29,16 @@ from kiln.weights.model_weights import ModelWeights, PackFileOpener
 logger = logging.getLogger(__name__)
 
 
-def _check_int4(scheme: str | None, device: torch.device, world_size: int) -> None:
-    """int4 runs on the CPU, on one rank: refused elsewhere, by name."""
+def _check_int4(scheme: str | None, device: torch.device, world_size: int, checkpoint: bool = False) -> None:
+    """int4 runs on the CPU: refused elsewhere, by name; a pack-quantized (`checkpoint`) one on one rank."""
     if scheme != "int4":
         return
     if device.type != "cpu":
         raise KilnError(f"int4 (W4A8) weights run on the CPU only; this is {device}: use --quantization int8 or fp8, "
                         "or --device cpu")
-    if world_size > 1:
-        raise KilnError("int4 (W4A8) weights do not run under tensor parallelism yet: use --tensor-parallel-size 1, "
-                        "or --quantization int8")
+    if world_size > 1 and checkpoint:
+        raise KilnError("a pack-quantized int4 checkpoint does not split over ranks yet: use --tensor-parallel-size 1 "
+                        "(or quantize a full-precision checkpoint with --quantization int4, which splits)")
 
 
 class LLM:
@@ -103,8 +103,8 @@ class LLM:
         engine_config = EngineConfig(**engine_options)
         self.quantization = check_scheme(quantization)
         """The scheme the projections were quantized to at load (None: as the checkpoint has them)."""
-        _check_int4(self.quantization or getattr(self.model_config.quantization, "scheme", None), self.device,
-                    self.parallel.world_size)
+        held = getattr(self.model_config.quantization, "scheme", None)
+        _check_int4(self.quantization or held, self.device, self.parallel.world_size, checkpoint=held == "int4")
         self._check_memory(engine_config)
         self.model = create_model(self.model_config, parse_dtype(self.dtype), self.device, self.parallel,
                                   quantize=self.quantization)  # a projection at a time: never all in full precision

@@ -40,6 +40,9 @@ for arch, model_dir in dirs.items():
         out["unfused"] = [o.logprobs for o in eager]  # eager runs all_reduce and the norm as two ops
         int8 = LLM(model_dir, tensor_parallel_size=2, quantization="int8")
         out["int8"] = [o.token_ids for o in int8.generate(prompts, greedy)]
+        int4 = LLM(model_dir, tensor_parallel_size=2, quantization="int4")
+        out["int4"] = [o.token_ids for o in int4.generate(prompts, greedy)]
+        out["int4_groups"] = list(int4.model.model.layers[0].mlp.down_proj.weight_scale.shape)
 print(json.dumps(out))
 """
 
@@ -85,6 +88,14 @@ def test_int8_splits_and_fuses_allreduce_with_norm_and_quant(two_ranks, demo_dir
     matches = PassManager(tensor_parallel_size=2).run(trace_backbone(model).graph, (1, 2048)).matches
     # rms_quant first makes each norm a norm+quant; allreduce_rms then takes in the all_reduce too
     assert matches["rms_quant"] == matches["allreduce_rms"] == 2 * 4
+
+
+def test_int4_splits_like_int8(two_ranks, demo_dirs):
+    """Quantized while loading, each rank's slices: a row-parallel down_proj keeps its 256 output
+    channels, in groups of 128 of its 256 input channels (the same groups as one rank's)."""
+    assert two_ranks[0]["int4_groups"] == [256, 2]
+    assert two_ranks[0]["int4"] == [o.token_ids for o in
+                                    LLM(demo_dirs["llama"], quantization="int4").generate(PROMPTS, GREEDY)]
 
 
 def test_allreduce_rms_fuses_two_sites_per_layer_and_changes_nothing(two_ranks):
