@@ -172,16 +172,19 @@ def dequantize_int4(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def int4_scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
                    out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     """W4A8: (a * a_scale) @ W.T + bias for int8 a [M, K] and 4-bit weight codes b [N, K / 2]
-    (`pack_nibbles`) with group scales b_scale [N, groups]: each group's products summed exactly
-    (in fp32, which holds them: |sum| < 2^24), times the group's scale, summed over the groups."""
-    codes = unpack_nibbles(b).float()
+    (`pack_nibbles`) with group scales b_scale [N, groups]: each group's products summed exactly in
+    int32, times the group's scale, summed over the groups. The eager path: the stored codes + 8 go to
+    torch's int8 GEMM as they are (0..15 are int8 values), each group's sum losing 8 x its activation
+    sum, so no fp32 copy of the weight is made."""
     n, groups = b_scale.shape
-    size = codes.shape[1] // groups
-    x = a.float()
-    out = x.new_zeros((a.shape[0], n))
+    shifted = torch.stack((b & 0x0F, b >> 4), dim=-1).view(n, -1).view(torch.int8)  # codes + 8
+    size = shifted.shape[1] // groups
+    out = a.new_zeros((a.shape[0], n), dtype=torch.float32)
     for g in range(groups):
         part = slice(g * size, (g + 1) * size)
-        out += (x[:, part] @ codes[:, part].t()) * b_scale[:, g].float()
+        rows = a[:, part].contiguous()
+        sums = torch._int_mm(rows, shifted[:, part].t()) - 8 * rows.sum(-1, keepdim=True, dtype=torch.int32)
+        out += sums.float() * b_scale[:, g].float()
     return _biased(out * a_scale.float(), bias, out_dtype)
 
 
