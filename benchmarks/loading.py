@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness import emit, machine, process_memory, start_server  # noqa: E402  (benchmarks/ is the script's dir)
+from kiln.config import QUANTIZATIONS  # noqa: E402
 
 SHAPES = {
     "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
@@ -173,7 +174,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="0.5b,1.5b", help="comma-separated, of " + ", ".join(SHAPES))
     parser.add_argument("--no-serve", action="store_true", help="skip compiling and serving")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' load")
-    parser.add_argument("--quantization", choices=["int8", "w7a8", "fp8", "int4"], help="kiln quantizes while loading")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, help="kiln quantizes while loading")
     parser.add_argument("--work", type=Path, help="where checkpoints and the artifact cache go (default: a "
                         "temporary directory)")
     parser.add_argument("--out", type=Path, help="write the JSON here too")

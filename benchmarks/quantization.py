@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.oracle's p
 from harness import decode_step_seconds, emit, machine  # noqa: E402  (benchmarks/ is the script's dir)
 from kiln import LLM, SamplingParams  # noqa: E402
 from kiln.models.lm_head import Int8Head  # noqa: E402
-from kiln.models.quantization import SCHEMES, Int4Linear, QuantLinear  # noqa: E402
+from kiln.models.quantization import SCHEMES, quantized_linear  # noqa: E402
 
 QWEN25_05B = dict(
     vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -42,7 +42,7 @@ VARIANTS = {"int8": {"quantization": "int8"}, "w7a8": {"quantization": "w7a8"},
             "w7a8+lm_head_w7a8": {"quantization": "w7a8", "lm_head_quantization": "w7a8"},
             "int4": {"quantization": "int4"},
             "int4+lm_head_int8": {"quantization": "int4", "lm_head_quantization": "int8"}}
-"""What accuracy() compares with full precision: W8A8 (and W7A8) projections, the int8 LM head, and both."""
+"""What accuracy() compares with full precision: W8A8 (W7A8, W4A8) projections, the int8 LM head, and both."""
 
 
 def accuracy(work: Path, demo_dir: Path | None = None, variants: list[str] | None = None) -> dict:
@@ -96,10 +96,7 @@ def accuracy(work: Path, demo_dir: Path | None = None, variants: list[str] | Non
                 for name, linear in linears:
                     x = torch.cat(inputs[name])
                     ref = linear(x)
-                    scheme_of = options["quantization"]
-                    quantized = Int4Linear.from_linear(linear) if scheme_of == "int4" else \
-                        QuantLinear.from_linear(linear, scheme_of)
-                    err = (quantized(x) - ref).norm() / ref.norm()
+                    err = (quantized_linear(linear, options["quantization"])(x) - ref).norm() / ref.norm()
                     worst = max(worst, err.item())
                 results[f"{arch}/{scheme}"]["worst_projection_rel_error"] = round(worst, 4)
             if "lm_head_quantization" in options:
@@ -172,14 +169,15 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8", help="decode batch sizes (default 1,8)")
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per batch (default 16)")
     args = parser.parse_args()
+    variants = [v for v in (args.variants or "").split(",") if v]
+    if set(variants) - set(VARIANTS):
+        parser.error(f"unknown variants {sorted(set(variants) - set(VARIANTS))}; choose from {', '.join(VARIANTS)}")
+    if args.skip_accuracy and (variants or args.demo_dir):
+        parser.error("--variants and --demo-dir choose what the accuracy part runs: drop them with --skip-accuracy")
 
     results: dict = {"machine": machine()}
     with tempfile.TemporaryDirectory(prefix="kiln-bench-quant-") as tmp:
         if not args.skip_accuracy:
-            variants = [v for v in (args.variants or "").split(",") if v]
-            if set(variants) - set(VARIANTS):
-                unknown = sorted(set(variants) - set(VARIANTS))
-                parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
             results["accuracy"] = accuracy(Path(tmp), args.demo_dir, variants)
         if not args.skip_speed:
             batches = [int(b) for b in args.batches.split(",")]

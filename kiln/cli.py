@@ -43,6 +43,7 @@ def _shaped_model(args: argparse.Namespace):
 
     from kiln.config import ParallelConfig, parse_device, parse_dtype
     from kiln.models.config import ModelConfig
+    from kiln.models.quantization import check_int4_placement
     from kiln.models.registry import create_model
 
     if not Path(args.model_dir).is_dir():
@@ -50,9 +51,12 @@ def _shaped_model(args: argparse.Namespace):
     # every rank compiles to the same graph, so rank 0's serves them all
     parallel = ParallelConfig(rank=0, world_size=args.tensor_parallel_size)
     config = ModelConfig.from_model_dir(Path(args.model_dir))
+    device = parse_device(args.device)
+    held = getattr(config.quantization, "scheme", None)
+    check_int4_placement(args.quantization or held, device, parallel.world_size, checkpoint=held == "int4")
     # quantized layers built empty, as a load fills them: an 8B model's full-precision weights never exist here
-    return create_model(config, parse_dtype(config.resolve_dtype(args.dtype)), parse_device(args.device),
-                        parallel=parallel, quantize=args.quantization)
+    return create_model(config, parse_dtype(config.resolve_dtype(args.dtype)), device, parallel=parallel,
+                        quantize=args.quantization)
 
 
 def _cache_dir(args: argparse.Namespace):

@@ -13,7 +13,7 @@ from kiln.config import (CompileConfig, EngineConfig, ParallelConfig, cpu_has_na
 from kiln.errors import KilnError
 from kiln.models.config import ModelConfig
 from kiln.models.lm_head import quantize_lm_head
-from kiln.models.quantization import check_scheme, cpu_note, quantize_model
+from kiln.models.quantization import check_int4_placement, check_scheme, cpu_note, quantize_model
 from kiln.models.registry import create_model
 from kiln.passes import GraphPass
 from kiln.runtime.engine import Engine, RequestOutput
@@ -27,18 +27,6 @@ from kiln.units import format_size
 from kiln.weights.model_weights import ModelWeights, PackFileOpener
 
 logger = logging.getLogger(__name__)
-
-
-def _check_int4(scheme: str | None, device: torch.device, world_size: int, checkpoint: bool = False) -> None:
-    """int4 runs on the CPU: refused elsewhere, by name; a pack-quantized (`checkpoint`) one on one rank."""
-    if scheme != "int4":
-        return
-    if device.type != "cpu":
-        raise KilnError(f"int4 (W4A8) weights run on the CPU only; this is {device}: use --quantization int8 or fp8, "
-                        "or --device cpu")
-    if world_size > 1 and checkpoint:
-        raise KilnError("a pack-quantized int4 checkpoint does not split over ranks yet: use --tensor-parallel-size 1 "
-                        "(or quantize a full-precision checkpoint with --quantization int4, which splits)")
 
 
 class LLM:
@@ -104,7 +92,7 @@ class LLM:
         self.quantization = check_scheme(quantization)
         """The scheme the projections were quantized to at load (None: as the checkpoint has them)."""
         held = getattr(self.model_config.quantization, "scheme", None)
-        _check_int4(self.quantization or held, self.device, self.parallel.world_size, checkpoint=held == "int4")
+        check_int4_placement(self.quantization or held, self.device, self.parallel.world_size, checkpoint=held == "int4")
         self._check_memory(engine_config)
         self.model = create_model(self.model_config, parse_dtype(self.dtype), self.device, self.parallel,
                                   quantize=self.quantization)  # a projection at a time: never all in full precision

@@ -99,6 +99,23 @@ class Int4Linear(nn.Module):
         return ops.int4_scaled_mm(q, self.weight, s, self.weight_scale, x.dtype, self.bias)
 
 
+def quantized_linear(linear: nn.Linear, scheme: str) -> nn.Module:
+    """`linear` quantized with `scheme`: an `Int4Linear` for int4, else a `QuantLinear`."""
+    return Int4Linear.from_linear(linear) if scheme == "int4" else QuantLinear.from_linear(linear, scheme)
+
+
+def check_int4_placement(scheme: str | None, device: torch.device, world_size: int, checkpoint: bool = False) -> None:
+    """int4 runs on the CPU: refused elsewhere, by name; a pack-quantized (`checkpoint`) one on one rank."""
+    if scheme != "int4":
+        return
+    if device.type != "cpu":
+        raise KilnError(f"int4 (W4A8) weights run on the CPU only; this is {device}: use --quantization int8 or fp8, "
+                        "or --device cpu")
+    if world_size > 1 and checkpoint:
+        raise KilnError("a pack-quantized int4 checkpoint does not split over ranks yet: use --tensor-parallel-size 1 "
+                        "(or quantize a full-precision checkpoint with --quantization int4, which splits)")
+
+
 def int4_group(k: int) -> int:
     """The group size `--quantization int4` quantizes a projection of `k` input channels with."""
     group = int4_group_size(k)
@@ -126,10 +143,7 @@ def quantize_model(model: nn.Module, scheme: str) -> nn.Module:
             raise KilnError(f"the checkpoint is already quantized ({held}, compressed-tensors): "
                             f"drop --quantization {scheme}")
         return model
-    if scheme == "int4":
-        _swap_projections(model, Int4Linear.from_linear)
-    else:
-        _swap_projections(model, lambda linear: QuantLinear.from_linear(linear, scheme))
+    _swap_projections(model, lambda linear: quantized_linear(linear, scheme))
     model.quantization = scheme  # read by the compiler: the scheme is part of the artifact key
     return model
 

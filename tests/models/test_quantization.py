@@ -5,7 +5,7 @@ import torch
 
 from kiln import LLM, KilnError, SamplingParams
 from kiln.compiler import artifact
-from kiln.models.quantization import SCHEMES, Int4Linear, QuantLinear
+from kiln.models.quantization import SCHEMES, QuantLinear, quantized_linear
 from kiln.models.demo import paragraph_openings
 from tests.oracle import PROMPTS
 
@@ -36,8 +36,7 @@ def test_every_projection_is_within_its_error_bound(projection_inputs, scheme):
     assert len(projection_inputs) == 4 * 4  # qkv, o, gate_up, down in each of 4 layers
     for name, (linear, x) in projection_inputs.items():
         ref = linear(x)
-        quantized = Int4Linear.from_linear(linear) if scheme == "int4" else QuantLinear.from_linear(linear, scheme)
-        err = ((quantized(x) - ref).norm() / ref.norm()).item()
+        err = ((quantized_linear(linear, scheme)(x) - ref).norm() / ref.norm()).item()
         assert err < LAYER_BOUND[scheme], (name, err)
 
 
@@ -172,15 +171,14 @@ def test_int8_artifact_on_packed_int8_weights_equals_int8_eager(demo_dirs, tmp_p
 
 
 def test_int4_is_refused_where_it_cannot_run():
-    from kiln.llm import _check_int4
-    from kiln.models.quantization import int4_group
+    from kiln.models.quantization import check_int4_placement, int4_group
 
     with pytest.raises(KilnError, match="int4 .W4A8. weights run on the CPU only; this is cuda:0"):
-        _check_int4("int4", torch.device("cuda", 0), 1)
+        check_int4_placement("int4", torch.device("cuda", 0), 1)
     with pytest.raises(KilnError, match="pack-quantized int4 checkpoint does not split over ranks yet"):
-        _check_int4("int4", torch.device("cpu"), 2, checkpoint=True)
-    _check_int4("int4", torch.device("cpu"), 2)  # quantized while loading: each rank its own slices
-    _check_int4("int8", torch.device("cuda", 0), 2)  # not int4: not this check's business
+        check_int4_placement("int4", torch.device("cpu"), 2, checkpoint=True)
+    check_int4_placement("int4", torch.device("cpu"), 2)  # quantized while loading: each rank its own slices
+    check_int4_placement("int8", torch.device("cuda", 0), 2)  # not int4: not this check's business
     assert int4_group(896) == 128 and int4_group(288) == 32
     with pytest.raises(KilnError, match="groups of 32, 64 or 128; one has 100: use --quantization int8"):
         int4_group(100)
