@@ -167,7 +167,48 @@ def test_a_fork_waits_out_an_import_and_a_worker_refuses_what_it_inherited_half_
         assert "torch._inductor.config.cpp.cxx was hidden mid-restore" in caplog.text
 
 
-STRESS_SECONDS = 30.0
+def test_no_thread_runs_while_a_later_fork_handler_waits_for_logging():
+    """Fork handlers run after kiln's check; logging's takes logging's lock, and when another thread
+    held it the fork waited with the GIL released, so a third thread could begin a config restore
+    between the check and the fork (1 fork in 10 here, before the check took logging's lock first).
+    A fork now copies no restore half done."""
+    from torch._inductor import config
+
+    stop = threading.Event()
+
+    def logs_now_and_then() -> None:  # what any logging call does: logging's lock held for a moment
+        while not stop.is_set():
+            with logging._lock:
+                time.sleep(0.001)
+            time.sleep(0.004)
+
+    def restores() -> None:
+        while not stop.is_set():
+            with unittest.mock.patch.object(config.cpp, "cxx", config.cpp.cxx):
+                pass
+
+    threads = [threading.Thread(target=fn, daemon=True) for fn in (logs_now_and_then, restores)]
+    for thread in threads:
+        thread.start()
+    damaged = 0
+    try:
+        for _ in range(100):
+            workers._forker, workers._settle_by = threading.get_ident(), time.monotonic() + workers.SETTLE_SECONDS
+            try:
+                pid = os.fork()
+                if pid == 0:
+                    os._exit(1 if workers._inheritance else 0)
+            finally:
+                workers._forker = None
+            damaged += os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(5)
+    assert damaged == 0
+
+
+STRESS_SECONDS = 15.0
 """The stress test's bound on its compile rounds: at least two, and none it expects to end past it."""
 
 

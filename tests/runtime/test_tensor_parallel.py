@@ -1,6 +1,6 @@
-"""Tensor parallelism end to end: two gloo ranks generate what one process generates, eagerly and
-from compiled artifacts, for every architecture, and serve it; the allreduce+RMSNorm fusion changes
-no output."""
+"""Tensor parallelism end to end: two gloo ranks generate what one process generates, eagerly for
+every architecture and from compiled artifacts for two (llama; qwen2, whose one KV head every rank
+holds whole), and serve it; the allreduce+RMSNorm fusion changes no output."""
 
 import json
 import subprocess
@@ -17,17 +17,22 @@ from tests.processes import free_port, processes_with, run_ranks, serving
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
 PROMPTS = ["The kiln was", "Clay and fire"]
+COMPILED = ("llama", "qwen2")
+"""Compiled over ranks (a compile is ~20 s here); the passes that differ under ranks are the same
+for every architecture, and each architecture's compile is tested on one rank."""
 
 RANK = """
 import json, sys
 from kiln import LLM, SamplingParams
 from kiln.compiler.counters import counters
-dirs, cache, prompts = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+dirs, cache, prompts, compiled = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
 greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
 out = {"eager": {}, "compiled": {}}
 for arch, model_dir in dirs.items():
     eager = LLM(model_dir, tensor_parallel_size=2).generate(prompts, greedy)
     out["eager"][arch] = [o.token_ids for o in eager]
+    if arch not in compiled.split(","):
+        continue
     llm = LLM(model_dir, tensor_parallel_size=2, compile=True, cache_dir=cache)
     outs = llm.generate(prompts, greedy)
     out["compiled"][arch] = [o.token_ids for o in outs]
@@ -55,7 +60,7 @@ def two_ranks(demo_dirs, kiln_cache) -> list[dict]:
     assert compiled.returncode == 0, compiled.stderr[-3000:]
     assert "allreduce_rms" in compiled.stdout
     dirs = {arch: str(demo_dirs[arch]) for arch in DEMO_ARCHS}
-    return run_ranks(RANK, [json.dumps(dirs), str(kiln_cache), json.dumps(PROMPTS)], timeout=900)
+    return run_ranks(RANK, [json.dumps(dirs), str(kiln_cache), json.dumps(PROMPTS), ",".join(COMPILED)], timeout=900)
 
 
 def test_ranks_agree(two_ranks):
@@ -66,7 +71,8 @@ def test_ranks_agree(two_ranks):
 def test_two_ranks_generate_what_one_does(two_ranks, demo_dirs, arch):
     one = [o.token_ids for o in LLM(demo_dirs[arch]).generate(PROMPTS, GREEDY)]
     assert two_ranks[0]["eager"][arch] == one
-    assert two_ranks[0]["compiled"][arch] == one
+    assert two_ranks[0]["compiled"].get(arch, one) == one
+    assert sorted(two_ranks[0]["compiled"]) == sorted(COMPILED)
 
 
 def test_int8_splits_and_fuses_allreduce_with_norm_and_quant(two_ranks, demo_dirs):
