@@ -11,13 +11,14 @@ A fork copies every module as it stands, in whatever state another thread has it
 thread is importing is copied half made, with its import lock held by a thread the child lacks (the
 child hangs importing it), and an Inductor config entry that `unittest.mock` is restoring is copied
 hidden (the child reads `torch._inductor.config.cpp.cxx does not exist`). So the fork waits until no
-other thread is mid-import or mid-restore (`_before_fork`), each child checks what it inherited before
-it compiles (`_inherited_damage`), and a job that fails in a worker, for that or any reason, is
-compiled again in this process before the compile fails, naming the piece.
+other thread is mid-import or mid-restore (`_before_fork`), each child shows again an entry that
+another thread hid after that check (`_unhide_config`: fork handlers of other libraries run after
+kiln's and may let other threads run), checks what it inherited before it compiles
+(`_inherited_damage`), and a job that fails in a worker, for that or any reason, is compiled again
+in this process before the compile fails, naming the piece.
 """
 
 import _imp
-import concurrent.futures.thread  # noqa: F401 - its fork handler, registered first, runs after ours
 import copy
 import importlib._bootstrap
 import logging
@@ -107,22 +108,18 @@ _thread_names: dict[int, str] = {}
 """The parent's threads when it forked, by id: a child has only its own thread, and names the others."""
 _settle_by = 0.0
 _holding_import_lock = False
-_holding_logging_lock = False
+_settled = False
+"""Whether the last fork followed a check that found nothing half done."""
 _inheritance: str | None = None
 """In a worker: what `_inherited_damage` found as it began, before any code of its own ran."""
 
 
 def _before_fork() -> None:
     """Wait (until `_settle_by`) for other threads to finish what a fork must not copy half done, then
-    hold the import lock and logging's lock until the fork: no thread starts an import meanwhile.
-
-    Beside other threads, each check follows a fresh hold of the GIL (`time.sleep(0)`), so none is
-    handed it between the check and the fork (a thread waiting for the GIL asks for it only after a
-    switch interval, 5 ms; the check takes about 0.1 ms). The fork handlers that run after this one
-    must not block either, or another thread runs meanwhile: logging's takes its lock, which is
-    taken here first (it is reentrant), and `concurrent.futures`' takes a lock only briefly held,
-    which is waited for here."""
-    global _holding_import_lock, _holding_logging_lock
+    hold the import lock until the fork: no thread starts an import meanwhile. Beside other threads,
+    each check follows a fresh hold of the GIL (`time.sleep(0)`), so none is handed it between the
+    check and the fork (a thread waiting for the GIL asks for it only after a switch interval, 5 ms)."""
+    global _holding_import_lock, _settled
     if threading.get_ident() != _forker:
         return
     me = threading.get_ident()
@@ -130,29 +127,16 @@ def _before_fork() -> None:
         if threading.active_count() > 1:
             time.sleep(0)
         _imp.acquire_lock()
-        settled = time.monotonic() >= _settle_by
-        _holding_logging_lock = logging._lock.acquire(blocking=False)
-        if settled or (_holding_logging_lock and not _shutdown_lock_held() and _inherited_damage(me) is None):
+        _settled = _inherited_damage(me) is None
+        if _settled or time.monotonic() >= _settle_by:
             break
-        if _holding_logging_lock:
-            logging._lock.release()
         _imp.release_lock()
         time.sleep(0.002)
     _holding_import_lock = True
 
 
-def _shutdown_lock_held() -> bool:
-    """Whether a thread holds `concurrent.futures.thread`'s lock, which a fork handler takes."""
-    thread_pools = sys.modules.get("concurrent.futures.thread")
-    lock = getattr(thread_pools, "_global_shutdown_lock", None)
-    return lock is not None and lock.locked()
-
-
 def _after_fork_in_parent() -> None:
-    global _holding_import_lock, _holding_logging_lock
-    if _holding_logging_lock:
-        _holding_logging_lock = False
-        logging._lock.release()
+    global _holding_import_lock
     if _holding_import_lock:
         _holding_import_lock = False
         _imp.release_lock()
@@ -162,15 +146,27 @@ def _after_fork_in_child() -> None:
     """A worker: note what it inherited half done, before it runs any code of its own (which may
     import), then drop the import lock its parent held through the fork (Python hands the child the
     parent's extra hold)."""
-    global _holding_import_lock, _holding_logging_lock, _forker, _inheritance, _worker
-    _holding_logging_lock = False  # logging's own handler has made its lock new in the child
+    global _holding_import_lock, _forker, _inheritance, _worker
     _worker = _forker is not None and _forker == threading.get_ident()  # the forking thread is the child's one
+    if _worker and _settled:
+        _unhide_config()
     _inheritance = _inherited_damage(threading.get_ident()) if _worker else None
     if _holding_import_lock:
         _holding_import_lock = False
         if _imp.lock_held():
             _imp.release_lock()
     _forker = None
+
+
+def _unhide_config() -> None:
+    """In a worker whose parent found no config entry hidden, show again any hidden since: another
+    thread began a `unittest.mock` restore after the check (a later fork handler let it run), which
+    no thread will finish here. Config values are per thread (context variables); the hiding alone is
+    not, so every entry reads as the forking thread saw it when it checked."""
+    for module in _config_modules():
+        for entry in getattr(module, "_config", {}).values():
+            if getattr(entry, "hide", False):
+                entry.hide = False
 
 
 if hasattr(os, "register_at_fork"):

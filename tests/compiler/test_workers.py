@@ -167,11 +167,11 @@ def test_a_fork_waits_out_an_import_and_a_worker_refuses_what_it_inherited_half_
         assert "torch._inductor.config.cpp.cxx was hidden mid-restore" in caplog.text
 
 
-def test_no_thread_runs_while_a_later_fork_handler_waits_for_logging():
-    """Fork handlers run after kiln's check; logging's takes logging's lock, and when another thread
-    held it the fork waited with the GIL released, so a third thread could begin a config restore
-    between the check and the fork (1 fork in 10 here, before the check took logging's lock first).
-    A fork now copies no restore half done."""
+def test_a_restore_begun_after_the_check_never_reaches_a_worker():
+    """Fork handlers of other libraries run after kiln's check, and one that waits (logging's, for its
+    lock, held here by another thread) lets a third thread begin a config restore between the check
+    and the fork: 20 forks in 200 inherited `cpp.cxx` hidden so, before each worker showed again what
+    was hidden after its parent's check. A worker now reads the config as the forking thread did."""
     from torch._inductor import config
 
     stop = threading.Event()
@@ -190,22 +190,31 @@ def test_no_thread_runs_while_a_later_fork_handler_waits_for_logging():
     threads = [threading.Thread(target=fn, daemon=True) for fn in (logs_now_and_then, restores)]
     for thread in threads:
         thread.start()
-    damaged = 0
+    inherited = []  # what each worker found half done, or how it read cpp.cxx
     try:
         for _ in range(100):
             workers._forker, workers._settle_by = threading.get_ident(), time.monotonic() + workers.SETTLE_SECONDS
+            read, write = os.pipe()
             try:
                 pid = os.fork()
                 if pid == 0:
-                    os._exit(1 if workers._inheritance else 0)
+                    try:
+                        said = workers._inheritance or ("" if config.cpp.cxx else "cpp.cxx empty")
+                    except AttributeError as e:
+                        said = str(e)
+                    os.write(write, said.encode())
+                    os._exit(0)
             finally:
                 workers._forker = None
-            damaged += os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            os.close(write)
+            os.waitpid(pid, 0)
+            with os.fdopen(read, "rb") as pipe:
+                inherited.append(pipe.read().decode())
     finally:
         stop.set()
         for thread in threads:
             thread.join(5)
-    assert damaged == 0
+    assert [said for said in inherited if said] == []
 
 
 STRESS_SECONDS = 15.0
