@@ -53,7 +53,7 @@ def _shaped_model(args: argparse.Namespace):
     config = ModelConfig.from_model_dir(Path(args.model_dir))
     device = parse_device(args.device)
     held = getattr(config.quantization, "scheme", None)
-    check_int4_placement(args.quantization or held, device, parallel.world_size, checkpoint=held == "int4")
+    check_int4_placement(args.quantization or held, device)
     # quantized layers built empty, as a load fills them: an 8B model's full-precision weights never exist here
     return create_model(config, parse_dtype(config.resolve_dtype(args.dtype)), device, parallel=parallel,
                         quantize=args.quantization)

@@ -92,7 +92,7 @@ class LLM:
         self.quantization = check_scheme(quantization)
         """The scheme the projections were quantized to at load (None: as the checkpoint has them)."""
         held = getattr(self.model_config.quantization, "scheme", None)
-        check_int4_placement(self.quantization or held, self.device, self.parallel.world_size, checkpoint=held == "int4")
+        check_int4_placement(self.quantization or held, self.device)
         self._check_memory(engine_config)
         self.model = create_model(self.model_config, parse_dtype(self.dtype), self.device, self.parallel,
                                   quantize=self.quantization)  # a projection at a time: never all in full precision

@@ -59,6 +59,17 @@ class ModelConfig:
     dtype: str | None = None
     """The checkpoint's dtype as config.json states it (`torch_dtype`, transformers 5's `dtype`)."""
 
+    def projection_shape(self, proj: str) -> tuple[int, int]:
+        """[output, input] features of a decoder projection (`q_proj`, ..., `down_proj`), whole: not
+        split over ranks."""
+        attention, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        shapes = {"q_proj": (attention, self.hidden_size), "k_proj": (kv, self.hidden_size),
+                  "v_proj": (kv, self.hidden_size), "o_proj": (self.hidden_size, attention),
+                  "gate_proj": (self.intermediate_size, self.hidden_size),
+                  "up_proj": (self.intermediate_size, self.hidden_size),
+                  "down_proj": (self.hidden_size, self.intermediate_size)}
+        return shapes[proj]
+
     def resolve_dtype(self, asked: str) -> str:
         """The dtype to run in: `asked`, or for "auto" the checkpoint's (float32 when config.json
         names none or one kiln does not run)."""

@@ -104,16 +104,11 @@ def quantized_linear(linear: nn.Linear, scheme: str) -> nn.Module:
     return Int4Linear.from_linear(linear) if scheme == "int4" else QuantLinear.from_linear(linear, scheme)
 
 
-def check_int4_placement(scheme: str | None, device: torch.device, world_size: int, checkpoint: bool = False) -> None:
-    """int4 runs on the CPU: refused elsewhere, by name; a pack-quantized (`checkpoint`) one on one rank."""
-    if scheme != "int4":
-        return
-    if device.type != "cpu":
+def check_int4_placement(scheme: str | None, device: torch.device) -> None:
+    """int4 runs on the CPU: refused elsewhere, by name."""
+    if scheme == "int4" and device.type != "cpu":
         raise KilnError(f"int4 (W4A8) weights run on the CPU only; this is {device}: use --quantization int8 or fp8, "
                         "or --device cpu")
-    if world_size > 1 and checkpoint:
-        raise KilnError("a pack-quantized int4 checkpoint does not split over ranks yet: use --tensor-parallel-size 1 "
-                        "(or quantize a full-precision checkpoint with --quantization int4, which splits)")
 
 
 def int4_group(k: int) -> int:
@@ -160,6 +155,9 @@ def quantized_layout(model: nn.Module, scheme: str, static_input: bool, group_si
         if scheme == "int4":
             n, k = w.shape
             group = group_size or int4_group(k)
+            if k % group and getattr(getattr(model, "layout", None), "world_size", 1) > 1:
+                raise KilnError(f"a rank's share of a projection, {k} input channels, does not split into the "
+                                f"checkpoint's groups of {group}: use a tensor parallel size that leaves whole groups")
             if k % group:
                 raise KilnError(f"a projection of {k} input channels does not split into the checkpoint's groups "
                                 f"of {group}: the weights do not match the config")

@@ -117,6 +117,21 @@ def _read(f: SafetensorsFile, name: str, shard: Shard | None, rows: int, path: P
     return tensor
 
 
+def _shard(model: CausalLM, name: str, param: torch.Tensor) -> Shard | None:
+    """This rank's slice of checkpoint tensor `name`. A pack-quantized projection's codes and grouped
+    scales take its weight's slice: the same rows, and in a row-parallel layer the same input channels,
+    counted in their own columns (eight codes to an int32 word, a group's channels to a scale)."""
+    packed = name.endswith(".weight_packed")
+    grouped = name.endswith(".weight_scale") and param.dim() == 2
+    if not (packed or grouped):
+        return model.layout.shard(name)
+    shard = model.layout.shard(name.removesuffix("_packed") if packed else name.removesuffix("_scale"))
+    if shard is None or shard.dim == 0:
+        return shard
+    per_column = 8 if packed else shard.size // param.shape[1]  # whole groups a rank: `quantized_layout` checked
+    return Shard(1, shard.start // per_column, shard.size // per_column)
+
+
 def _load_tensor(f: SafetensorsFile, name: str, model: CausalLM, params: dict, targets: dict,
                  pool: ThreadPoolExecutor) -> list[Future]:
     """Copy checkpoint tensor `name` into its slice of its parameter: a read submitted to `pool` when
@@ -128,7 +143,7 @@ def _load_tensor(f: SafetensorsFile, name: str, model: CausalLM, params: dict, t
         )
     pname, offset, rows = targets[name]
     param = params[pname]
-    shard, dest = model.layout.shard(name), param.data[offset : offset + rows]
+    shard, dest = _shard(model, name, param), param.data[offset : offset + rows]
     scale = params.get(pname.removesuffix(".weight") + ".weight_scale") if pname.endswith(".weight") else None
     scheme = getattr(model, "quantize_on_load", None)
     if scheme is not None and scale is not None and f.dtype(name) != param.dtype:
@@ -164,13 +179,11 @@ def _packs_int4(model: CausalLM) -> bool:
     return quantization is not None and quantization.scheme == "int4"
 
 
-def _check_weight_shape(f: SafetensorsFile, name: str, params: dict, targets: dict) -> None:
-    """A pack-quantized projection's `weight_shape` ([N, K] of its codes) against its parameter's slice."""
-    target = targets.get(name.removesuffix("_shape") + "_packed")
-    if target is None:
+def _check_weight_shape(f: SafetensorsFile, name: str, model: CausalLM, targets: dict) -> None:
+    """A pack-quantized projection's `weight_shape` ([N, K] of its codes, whole) against config.json's."""
+    if name.removesuffix("_shape") + "_packed" not in targets:
         raise KilnError(f"unexpected tensor {name!r} in {f.path.name}: no packed weight of this model has that name")
-    pname, _, rows = target
-    want = [rows, 2 * params[pname].shape[1]]
+    want = list(model.config.projection_shape(name.split(".")[-2]))
     if f.tensor(name).tolist() != want:
         raise KilnError(f"tensor {name!r} in {f.path.name} says the weight is {f.tensor(name).tolist()}, but "
                         f"config.json implies {want}: the weights do not match the config")
@@ -204,7 +217,7 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> str:
                 try:
                     for name in f.keys():
                         if name.endswith(".weight_shape") and _packs_int4(model):
-                            _check_weight_shape(f, name, params, targets)
+                            _check_weight_shape(f, name, model, targets)
                         elif not (name.endswith(IGNORED_SUFFIXES) or (name == "lm_head.weight"
                                                                       and model.config.tie_word_embeddings)):
                             loaded.add(name)

@@ -121,6 +121,18 @@ def test_w4a16_checkpoint_matches_dequantized_reference(demo_dirs, tmp_path, arc
     _assert_matches(llm, reference)
 
 
+def test_w4a16_groups_a_rank_would_cut_are_refused(demo_dirs, tmp_path):
+    """qwen2's 6 heads of 48 over 2 ranks leave o_proj 144 input channels a rank: not whole groups of 32."""
+    from kiln.config import ParallelConfig
+    from kiln.models.config import ModelConfig
+    from kiln.models.registry import create_model
+
+    ckpt = write_compressed(demo_dirs["qwen2"], tmp_path / "w4", "int4", group_size=32)
+    with pytest.raises(KilnError, match="a rank's share of a projection, 144 input channels, does not split into the "
+                                        "checkpoint's groups of 32: use a tensor parallel size"):
+        create_model(ModelConfig.from_model_dir(ckpt), torch.float32, parallel=ParallelConfig(rank=0, world_size=2))
+
+
 def test_w4a16_weight_shape_is_checked(demo_dirs, tmp_path):
     ckpt = write_compressed(demo_dirs["llama"], tmp_path / "w4", "int4")
     tensors = load_file(ckpt / "model.safetensors")

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -14,6 +15,7 @@ import torch
 from kiln import LLM, SamplingParams
 from kiln.models.demo import DEMO_ARCHS
 from tests.processes import free_port, processes_with, run_ranks, serving
+from tests.quant_checkpoints import write_compressed
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
 PROMPTS = ["The kiln was", "Clay and fire"]
@@ -25,7 +27,8 @@ RANK = """
 import json, sys
 from kiln import LLM, SamplingParams
 from kiln.compiler.counters import counters
-dirs, cache, prompts, compiled = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+dirs, cache, prompts, compiled, w4a16 = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]), sys.argv[4], \
+    sys.argv[5]
 greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
 out = {"eager": {}, "compiled": {}}
 for arch, model_dir in dirs.items():
@@ -48,19 +51,32 @@ for arch, model_dir in dirs.items():
         int4 = LLM(model_dir, tensor_parallel_size=2, quantization="int4")
         out["int4"] = [o.token_ids for o in int4.generate(prompts, greedy)]
         out["int4_groups"] = list(int4.model.model.layers[0].mlp.down_proj.weight_scale.shape)
+        packed = LLM(w4a16, tensor_parallel_size=2)
+        out["w4a16"] = [o.token_ids for o in packed.generate(prompts, greedy)]
+        layer = packed.model.model.layers[0]
+        out["w4a16_shapes"] = {name: [list(p.weight.shape), list(p.weight_scale.shape)] for name, p in
+                               (("o_proj", layer.self_attn.o_proj), ("down_proj", layer.mlp.down_proj),
+                                ("gate_up_proj", layer.mlp.gate_up_proj))}
 print(json.dumps(out))
 """
 
 
 @pytest.fixture(scope="module")
-def two_ranks(demo_dirs, kiln_cache) -> list[dict]:
+def w4a16_llama(demo_dirs, tmp_path_factory) -> Path:
+    """The demo llama as llm-compressor's pack-quantized W4A16 checkpoint (groups of 128)."""
+    return write_compressed(demo_dirs["llama"], tmp_path_factory.mktemp("w4a16") / "llama", "int4")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(demo_dirs, kiln_cache, w4a16_llama) -> list[dict]:
     """What each of two ranks generated; the llama's artifact was compiled first by one `kiln compile`."""
     compiled = subprocess.run([sys.executable, "-m", "kiln", "compile", str(demo_dirs["llama"]), "--cache-dir",
                                str(kiln_cache), "--tensor-parallel-size", "2"], capture_output=True, text=True)
     assert compiled.returncode == 0, compiled.stderr[-3000:]
     assert "allreduce_rms" in compiled.stdout
     dirs = {arch: str(demo_dirs[arch]) for arch in DEMO_ARCHS}
-    return run_ranks(RANK, [json.dumps(dirs), str(kiln_cache), json.dumps(PROMPTS), ",".join(COMPILED)], timeout=900)
+    return run_ranks(RANK, [json.dumps(dirs), str(kiln_cache), json.dumps(PROMPTS), ",".join(COMPILED),
+                                    str(w4a16_llama)], timeout=900)
 
 
 def test_ranks_agree(two_ranks):
@@ -102,6 +118,17 @@ def test_int4_splits_like_int8(two_ranks, demo_dirs):
     assert two_ranks[0]["int4_groups"] == [256, 2]
     assert two_ranks[0]["int4"] == [o.token_ids for o in
                                     LLM(demo_dirs["llama"], quantization="int4").generate(PROMPTS, GREEDY)]
+
+
+def test_a_w4a16_checkpoint_splits_over_ranks(two_ranks, w4a16_llama):
+    """Each rank reads its slice of the packed codes and grouped scales: a column-parallel projection
+    its rows, a row-parallel one its input channels (int32 words of eight codes, a scale per group of
+    128), and generates what one rank does."""
+    shapes = two_ranks[0]["w4a16_shapes"]
+    assert shapes["gate_up_proj"] == [[2 * 256, 256 // 2], [2 * 256, 256 // 128]]  # half of 2 x 512 rows
+    assert shapes["o_proj"] == [[256, 128 // 2], [256, 1]]  # 4 of 8 heads of 32: 128 input channels
+    assert shapes["down_proj"] == [[256, 256 // 2], [256, 2]]
+    assert two_ranks[0]["w4a16"] == [o.token_ids for o in LLM(w4a16_llama).generate(PROMPTS, GREEDY)]
 
 
 def test_allreduce_rms_fuses_two_sites_per_layer_and_changes_nothing(two_ranks):
