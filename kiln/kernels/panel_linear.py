@@ -79,9 +79,9 @@ INT4 = PanelKernel("panel_int4_linear", INT4_SOURCE, "kiln_panel_int4_gemm", INT
 
 def pack(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """[N, K] fp32 weight -> the same shape and strides holding its panels: a compiled graph takes it
-    where it took the weight. (The int4 kernel's [N, groups] scales are packed so too.) Written into `out` (a contiguous [N, K] tensor of w's dtype) if given,
-    else into a new tensor (`kiln.weights.formats` gives memory on huge pages). N must be a multiple
-    of PANEL."""
+    where it took the weight (the int4 kernel's [N, groups] scales are packed so too). Written into
+    `out` (a contiguous [N, K] tensor of w's dtype) if given, else into a new tensor
+    (`kiln.weights.formats` gives memory on huge pages). N must be a multiple of PANEL."""
     n, k = w.shape
     out = torch.empty((n, k), dtype=w.dtype) if out is None else out
     out.view(n // PANEL, k, PANEL).copy_(w.reshape(n // PANEL, PANEL, k).transpose(1, 2))

@@ -155,12 +155,12 @@ def quantized_layout(model: nn.Module, scheme: str, static_input: bool, group_si
         if scheme == "int4":
             n, k = w.shape
             group = group_size or int4_group(k)
-            if k % group and getattr(getattr(model, "layout", None), "world_size", 1) > 1:
-                raise KilnError(f"a rank's share of a projection, {k} input channels, does not split into the "
-                                f"checkpoint's groups of {group}: use a tensor parallel size that leaves whole groups")
             if k % group:
-                raise KilnError(f"a projection of {k} input channels does not split into the checkpoint's groups "
-                                f"of {group}: the weights do not match the config")
+                ranks = getattr(getattr(model, "layout", None), "world_size", 1)
+                what, fix = (("a rank's share of a projection", "use a tensor parallel size that leaves whole groups")
+                             if ranks > 1 else ("a projection", "the weights do not match the config"))
+                raise KilnError(f"{what}, {k} input channels, does not split into the checkpoint's groups of "
+                                f"{group}: {fix}")
             return Int4Linear(torch.empty((n, k // 2), dtype=torch.uint8, device=w.device),
                               torch.empty((n, k // group), dtype=torch.float32, device=w.device), bias)
         input_scale = torch.empty(1, dtype=torch.float32, device=w.device) if static_input else None

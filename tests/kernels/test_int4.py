@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from kiln.kernels import panel_linear
+from kiln.kernels.quant import (dequantize_int4, int4_group_size, int4_scaled_mm, pack_nibbles, quantize_weight_int4,
+                                unpack_nibbles)
 
 
 @pytest.fixture(autouse=True)
 def seeded():
     torch.manual_seed(0)
-from kiln.kernels.quant import (dequantize_int4, int4_group_size, int4_scaled_mm, pack_nibbles, quantize_weight_int4,
-                                unpack_nibbles)
 
 
 def test_quantized_codes_and_scales_per_group():

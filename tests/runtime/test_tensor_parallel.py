@@ -75,20 +75,21 @@ def two_ranks(demo_dirs, kiln_cache, w4a16_llama) -> list[dict]:
     assert compiled.returncode == 0, compiled.stderr[-3000:]
     assert "allreduce_rms" in compiled.stdout
     dirs = {arch: str(demo_dirs[arch]) for arch in DEMO_ARCHS}
-    return run_ranks(RANK, [json.dumps(dirs), str(kiln_cache), json.dumps(PROMPTS), ",".join(COMPILED),
-                                    str(w4a16_llama)], timeout=900)
+    args = [json.dumps(dirs), str(kiln_cache), json.dumps(PROMPTS), ",".join(COMPILED), str(w4a16_llama)]
+    return run_ranks(RANK, args, timeout=900)
 
 
 def test_ranks_agree(two_ranks):
     assert two_ranks[0] == two_ranks[1]  # every rank samples from the same gathered logits
+    assert sorted(two_ranks[0]["compiled"]) == sorted(COMPILED)
 
 
 @pytest.mark.parametrize("arch", DEMO_ARCHS)
 def test_two_ranks_generate_what_one_does(two_ranks, demo_dirs, arch):
     one = [o.token_ids for o in LLM(demo_dirs[arch]).generate(PROMPTS, GREEDY)]
     assert two_ranks[0]["eager"][arch] == one
-    assert two_ranks[0]["compiled"].get(arch, one) == one
-    assert sorted(two_ranks[0]["compiled"]) == sorted(COMPILED)
+    if arch in COMPILED:
+        assert two_ranks[0]["compiled"][arch] == one
 
 
 def test_int8_splits_and_fuses_allreduce_with_norm_and_quant(two_ranks, demo_dirs):
