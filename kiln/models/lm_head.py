@@ -285,6 +285,9 @@ class GreedyScreen:
         return y, s.squeeze(1), bound + 2 * self.gamma * norm * self.max_row_norm
 
 
+_INT8_HEAD = greedy_screen.int8_head_params()
+
+
 class Int8Head:
     """W8A8 logits: per-token int8 activations x per-channel int8 weights, int32 accumulation, fp32
     out. On a CPU the weight is packed for oneDNN's int8 GEMM where it is exact (VNNI), else for
@@ -296,6 +299,7 @@ class Int8Head:
         which), so that loading one quantizes and packs the head once."""
         self.codes, self.scale = quantize_weight(weight.detach(), torch.int8, weight_max)
         self.gemm, self.packed = None, False
+        self._greedy: ScreenLibrary | None = None
         self.kernel = None
         if self.codes.device.type == "cpu":
             self.kernel = int8_kernel(seven_bit=weight_max is not None and weight_max <= packed_linear.W7A8_MAX)
@@ -315,18 +319,37 @@ class Int8Head:
         elif self.kernel:
             self.codes = pack_format(self.kernel, codes)
 
-    def run_on_panels(self, gemm: HeadGemm, packer: Packer | None = None) -> bool:
+    def run_on_panels(self, gemm: HeadGemm, packer: Packer | None = None,
+                      greedy_library: ScreenLibrary | None = None) -> bool:
         """Run on an artifact's int8 panel GEMM (`gemm`, the int8 panel format), which streams the head faster
         than oneDNN's int8 GEMM on one row: the plain codes packed in panels (by `packer`, default
-        `kiln.weights.formats.pack`). False, and nothing changed, where the head is packed already or its
-        shape has no panels."""
+        `kiln.weights.formats.pack`), and greedy tokens on `greedy_library` (the greedy screen's, which
+        takes them from the panels in one call) where given. False, and nothing changed, where the head is
+        packed already or its shape has no panels."""
         if self.packed or self.codes.device.type != "cpu" or self.codes.shape[0] % panel_linear.PANEL \
                 or self.codes.shape[1] % 4:
             return False
         self.codes, self.kernel, self.gemm = (packer or pack_format)(_PANELS_INT8, self.codes), \
             _PANELS_INT8, gemm
-        self.packed = True
+        self.packed, self._greedy = True, greedy_library
         return True
+
+    @property
+    def screens(self) -> bool:
+        """Whether greedy calls take their tokens from one kernel (`greedy`) rather than from the logits."""
+        return self._greedy is not None
+
+    pending_bytes = 0
+    """Memory a greedy call will add: none (it reads the head's own codes)."""
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The argmax token of each row's logits, as `self(hidden).argmax(-1)` gives it, in one kernel call
+        (the greedy screen's library on the head's panels: no logits tensor, no sampling ops after the
+        weight stream); None where it cannot tell (no library, not fp32, a NaN or an infinity)."""
+        if self._greedy is None or hidden.dtype != torch.float32:
+            return None
+        tokens = self._greedy(hidden.contiguous(), self.codes, self.scale, self.scale[:, None], _INT8_HEAD)[0]
+        return None if bool((tokens < 0).any()) else tokens
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         self.pack()

@@ -115,9 +115,11 @@ class CompiledProgram:
         if lm_head is not None:
             self.compute_logits = functools.partial(model.compute_logits, head=lm_head)
         single = getattr(getattr(model, "layout", None), "world_size", 1) == 1
-        self.greedy_tokens = lm_head.greedy if single and lm_head is not None and lm_head.screens else None
-        """hidden -> argmax tokens without the logits, or None when it cannot tell (`PackedHead.greedy`)."""
-        self.reserved_bytes = lm_head.pending_bytes if self.greedy_tokens is not None else 0
+        head = lm_head if lm_head is not None else getattr(model, "lm_head_kernel", None)
+        self.greedy_tokens = head.greedy if single and getattr(head, "screens", False) else None
+        """hidden -> argmax tokens without the logits, or None when it cannot tell (`PackedHead.greedy`,
+        `Int8Head.greedy`)."""
+        self.reserved_bytes = head.pending_bytes if self.greedy_tokens is not None else 0
         """Memory the program takes that the kernel still counts as available when the KV cache is sized:
         the LM head's screen, built on first use."""
         self.pack_file: PackFile | None = None

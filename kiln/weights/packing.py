@@ -99,14 +99,15 @@ def pack_lm_head(model: nn.Module, choice: dict | None, libraries: dict[str, Cal
     the greedy screen's kernel), on the panel GEMM `libraries` (format -> the loaded library) it
     ships, its greedy screen on the `screen` library where it ships one; None for no format, or when
     the model has an int8 head of its own (which then runs on the int8 panel GEMM where the artifact
-    ships it)."""
+    ships it, and takes its greedy tokens from `screen`)."""
     libraries = libraries or {}
     packer = functools.partial(packs.pack, HEAD) if packs is not None else None
     int8_head = getattr(model, "lm_head_kernel", None)
     if isinstance(int8_head, Int8Head):
         panels = libraries.get(PANELS_INT8)
-        if panels is not None and int8_head.run_on_panels(_head_gemm(panels), packer):
-            logger.info("the int8 LM head runs on the artifact's int8 panel GEMM")
+        if panels is not None and int8_head.run_on_panels(_head_gemm(panels), packer, screen):
+            logger.info("the int8 LM head runs on the artifact's int8 panel GEMM%s",
+                        ", its greedy tokens in one kernel" if screen is not None else "")
         int8_head.pack()
     if choice is None or choice.get("format") is None or int8_head is not None:
         return None

@@ -152,8 +152,9 @@ def test_compiled_model_on_the_panel_gemm_decodes_like_eager(scheme, demo_dirs, 
     # the load packed into a file in the cache; a later one maps it and packs nothing
     compiled.engine.runner.forward.pack_file.wait()
     assert [f.name for f in (path.parent / "packed").iterdir()] == [compiled.engine.runner.forward.pack_file.path.name]
-    monkeypatch.setattr(gemms, "pack", lambda *args, **kwargs: pytest.fail("a load from the cache packed"))
-    again = LLM(demo_dirs["llama"], require_artifact=True, cache_dir=path.parent, quantization=scheme)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gemms, "pack", lambda *args, **kwargs: pytest.fail("a load from the cache packed"))
+        again = LLM(demo_dirs["llama"], require_artifact=True, cache_dir=path.parent, quantization=scheme)
     assert again.engine.runner.forward.pack_file.hit
     assert len(again.engine.runner.forward.pack_file.slots) == 4 * layers + 1  # the projections and the head
     assert again.engine.runner.forward.pack_file.slots == compiled.engine.runner.forward.pack_file.slots
@@ -164,3 +165,13 @@ def test_compiled_model_on_the_panel_gemm_decodes_like_eager(scheme, demo_dirs, 
         # test_quantization's test_int8_compiled_equals_int8_eager): a rare logprob moves by up to ~1e-2
         diff = (torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs()
         assert (diff.max() < 2e-2 and diff.median() < 1e-4) if scheme else diff.max() < 1e-4, diff
+    # an int8 head asked for at load runs on the same libraries: the head's panel GEMM, and its greedy tokens
+    # from the screen's library in one call, the argmax of its logits (with logprobs, the logits path)
+    head8 = LLM(demo_dirs["llama"], require_artifact=True, cache_dir=path.parent, quantization=scheme,
+                lm_head_quantization="int8")
+    assert head8.model.lm_head_kernel.kernel == "panels16_int8"
+    assert head8.engine.runner.greedy_tokens == head8.model.lm_head_kernel.greedy
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lm_head.Int8Head, "__call__", lambda self, h: pytest.fail("greedy steps ran the logits"))
+        one_call = head8.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in one_call] == [o.token_ids for o in head8.generate(PROMPTS, params)]

@@ -1,6 +1,6 @@
 """The greedy screen as one C++ kernel, as its library runs it: the fp32 argmax of the logits (the op's
 reference) on heads built to fool an int8 screen, the same tokens as the screen's torch ops, and no
-answer where it cannot tell."""
+answer where it cannot tell. For an int8 head, the argmax of that head's own logits."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ import torch
 from kiln.compiler import libraries
 from kiln.compiler.aoti import LoadedLibrary
 from kiln.kernels import cpp_lowering, greedy_screen, panel_linear
-from kiln.models.lm_head import SCREEN_MAX_CANDIDATES, GreedyScreen
+from kiln.models.lm_head import SCREEN_MAX_CANDIDATES, GreedyScreen, Int8Head
 from tests.models.test_lm_head import near_tied_head
 
 pytestmark = pytest.mark.skipif(panel_linear.available((64, 64), torch.int8) is not None,
@@ -79,3 +79,36 @@ def test_library_is_shipped_for_a_screen_on_the_int8_panels(monkeypatch):
     assert not libraries.screen_wanted(None)
     monkeypatch.setattr(cpp_lowering, "register", lambda: False)
     assert not libraries.screen_wanted({"format": "panels16", "screen": "panels16_int8"})
+
+
+@pytest.mark.parametrize("rows", [1, 16, 21])
+def test_kernel_gives_an_int8_heads_argmax(library, rows):
+    """An int8 head's greedy tokens from the kernel are its logits' argmax (the op's reference, and the
+    head run then sampled): exact ties included, whose twin rows sit in both threads' halves of the
+    vocabulary and twice in the first half (the first wins), and rows with outlier channels (no
+    residual codes for a head)."""
+    g = torch.Generator().manual_seed(3)
+    weight, hidden = torch.randn(4096, 896, generator=g) * 0.02, torch.randn(rows, 896, generator=g)
+    hidden[0, 11] = 30.0
+    for r in range(0, rows, 2):  # twins, each row's best: the lower index must win
+        weight[100 + r] = weight[200 + r] = weight[3000 + r] = hidden[r] / hidden[r].norm() * 0.5
+    head = Int8Head(weight, pack=False)
+    assert head.run_on_panels(panel_linear.timing_kernel(panel_linear.INT8), greedy_library=library)
+    want = head(hidden).argmax(-1)
+    assert want[0] == 100 and (rows < 3 or want[2] == 102)
+    got = head.greedy(hidden)
+    assert got is not None and torch.equal(got, want)
+    params = greedy_screen.int8_head_params()
+    assert torch.equal(torch.ops.kiln.greedy_screen(hidden, head.codes, head.scale, weight, params), want)
+    nan = hidden.clone()
+    nan[-1, 5] = float("nan")
+    out = library(nan, head.codes, head.scale, head.scale[:, None], params)[0]
+    assert out[-1] == -1 and torch.equal(out[:-1], want[:-1])
+    assert head.greedy(nan) is None  # the logits decide
+    assert head.greedy(hidden.double()) is None
+
+
+def test_int8_head_without_the_library_has_no_greedy_path():
+    head = Int8Head(torch.randn(64, 64), pack=False)
+    assert head.run_on_panels(panel_linear.timing_kernel(panel_linear.INT8))
+    assert not head.screens and head.greedy(torch.randn(2, 64)) is None

@@ -45,12 +45,61 @@ static inline void kiln_screen_take(kiln_screen_best* best, float logit, int64_t
   }
 }
 
+// tokens [R]: each row's argmax of an int8 LM head's logits s (t_v (q . c_v)), fp32 rounded after each
+// product as Int8Head computes them (q, s: the row quantized as kiln::quant_int8 does), the first of
+// equal ones; -1 for a row with a NaN or an infinity in h or in its logits. The codes c are the head.
+static void kiln_int8_head_argmax(const float* h, const uint8_t* w, const float* t, int64_t* tokens, int64_t R,
+                                  int64_t V, int64_t K) {
+  const int64_t panels = V / 16;
+  int8_t* codes = (int8_t*)malloc(R * K);
+  float* scale = (float*)malloc(sizeof(float) * R);
+  bool* finite = (bool*)malloc(R);
+  for (int64_t r = 0; r < R; ++r) finite[r] = kiln_screen_quantize(h + r * K, K, codes + r * K, scale + r);
+  int32_t* at = (int32_t*)aligned_alloc(64, ((R * K / 4 + R + 15) / 16) * 64);
+  int32_t* shift = at + R * K / 4;
+  kiln_panel_int8_rows(codes, R, K, at, shift);
+  float* y = (float*)malloc(sizeof(float) * R * V);
+  const int threads = omp_get_max_threads();
+  kiln_screen_best* best = (kiln_screen_best*)malloc(sizeof(kiln_screen_best) * threads * R);
+  bool* nan = (bool*)calloc(threads * R, 1);
+  for (int64_t j = 0; j < threads * R; ++j) best[j].token = -1;
+  #pragma omp parallel num_threads(threads)
+  {
+    const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
+    const int64_t first = panels * i / n * 16, last = panels * (i + 1) / n * 16;
+    kiln_panel_int8_panels(at, shift, w, y, R, V, K, first / 16, last / 16);
+    for (int64_t r = 0; r < R; ++r) {
+      kiln_screen_best* lead = best + i * R + r;
+      const float* yr = y + r * V;
+      const float s = scale[r];
+      for (int64_t v = first; v < last; ++v) {
+        const float logit = (yr[v] * t[v]) * s;
+        if (logit != logit) nan[i * R + r] = true;
+        if (lead->token < 0 || logit > lead->logit) lead->logit = logit, lead->token = v;
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {  // threads in order: the first token of equal logits
+    kiln_screen_best top = {0.f, -1};
+    bool bad = !finite[r];
+    for (int j = 0; j < threads; ++j) {
+      bad = bad || nan[j * R + r];
+      if (best[j * R + r].token >= 0 && (top.token < 0 || best[j * R + r].logit > top.logit)) top = best[j * R + r];
+    }
+    tokens[r] = bad ? -1 : top.token;
+  }
+  free(nan), free(best), free(y), free(at), free(finite), free(scale), free(codes);
+}
+
 // tokens [R]: each row's argmax of h [R, K] @ W.T over the vocabulary (W [V, K] fp32), from the int8
 // panels `w` of W's codes with scales `t` [V]; -1 for a row with a NaN or infinity, and for every row
 // when the candidates outnumber params[3] per row. params: the largest row norms of W, of its codes
-// times their scales and of their difference (each raised by 2 gamma), and the candidate cap.
+// times their scales and of their difference (each raised by 2 gamma), and the candidate cap. A
+// negative cap: `w` and `t` are an int8 LM head itself, W is not read, and the tokens are the argmax
+// of its logits (kiln_int8_head_argmax).
 extern "C" void kiln_greedy_screen(const float* h, const uint8_t* w, const float* t, const float* W,
                                    const double* params, int64_t* tokens, int64_t R, int64_t V, int64_t K) {
+  if (params[3] < 0) return kiln_int8_head_argmax(h, w, t, tokens, R, V, K);
   const double u = ldexp(1.0, -24), gamma = (K + 1) * u / (1 - (K + 1) * u);
   const double norm_w = params[0], norm_wq = params[1], norm_dw = params[2];
   const int64_t cap = (int64_t)params[3] * R, panels = V / 16;
