@@ -11,8 +11,11 @@ step "above" its floor. `floor_fraction` is that floor over the measured step: 1
 the weights as fast as this machine was seen to read and doing nothing else.
 
 For each batch size B, B sequences of `--prompt-len` tokens are prefilled, then `--steps` decode steps
-are timed one by one (the median is reported): `ms_per_token` is a step's time, the latency each
-sequence sees per token, and `tokens_per_s` is B tokens over it. Timing starts once the packed
+are timed one by one (their median is the round's): `ms_per_token` is a step's time, the latency each
+sequence sees per token, and `tokens_per_s` is B tokens over it. A VM's bandwidth can swing by half
+from one minute to the next, so each batch is timed right after a bandwidth reading of its own, in
+`--rounds` rounds: a round's `floor_fraction` pairs the two, and the report gives the median of the
+rounds' fractions (and of their times; every round is in `rounds`). Timing starts once the packed
 weights are on huge pages, as a server's are after a moment idle (`kiln.weights.huge_pages`), and
 `huge_page_gb` says how much is there.
 """
@@ -22,6 +25,7 @@ import json
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kiln.config import DTYPES, LM_HEAD_QUANTIZATIONS, QUANTIZATIONS
@@ -34,10 +38,11 @@ HUGE_PAGES_WAIT_S = 60
 """How long timing waits for the packed weights to reach huge pages (seconds a GB on a 2-core VM)."""
 
 
-def read_bandwidth(repeats: int = 5) -> dict[str, float]:
-    """Bytes per second read over 512 MiB, best of `repeats`: by a plain sum ("sum"), by kiln's int8
-    panel GEMM at batch 1 ("gemv", where it runs), and the faster ("best"). The tensor sits on huge
-    pages where the packed weights go there too, so the floor does not count what they save."""
+def bandwidth_probe(repeats: int = 5) -> Callable[[], dict[str, float]]:
+    """A probe of the read bandwidth: each call gives bytes per second read over 512 MiB, best of
+    `repeats`: by a plain sum ("sum"), by kiln's int8 panel GEMM at batch 1 ("gemv", where it runs), and
+    the faster ("best"). The tensor, allocated once, sits on huge pages where the packed weights go there
+    too, so the floor does not count what they save."""
     import torch
 
     from kiln.kernels import panel_linear
@@ -56,14 +61,21 @@ def read_bandwidth(repeats: int = 5) -> dict[str, float]:
     huge_pages.collapse_later(x)
     huge_pages.collapse_pending()
     huge_pages.wait(HUGE_PAGES_WAIT_S)
-    out = {"sum": best_of(x.sum)}
     k = 4096
+    gemv = None
     if panel_linear.available((BANDWIDTH_BYTES // k, k), torch.int8) is None:
         gemm = panel_linear.timing_kernel(panel_linear.INT8)
         weight, row = x.view(torch.int8).view(-1, k), torch.ones((1, k), dtype=torch.int8)
-        out["gemv"] = best_of(lambda: gemm(row, weight))
-    out["best"] = max(out.values())
-    return out
+        gemv = lambda: gemm(row, weight)  # noqa: E731
+
+    def probe() -> dict[str, float]:
+        out = {"sum": best_of(x.sum)}
+        if gemv is not None:
+            out["gemv"] = best_of(gemv)
+        out["best"] = max(out.values())
+        return out
+
+    return probe
 
 
 def decode_weight_bytes(model, screened: bool = False) -> int:
@@ -116,6 +128,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=_batches, default=[1, 16], metavar="B,B,...",
                         help="decode batch sizes (default 1,16)")
     parser.add_argument("--steps", type=int, default=32, metavar="N", help="decode steps timed per batch (default 32)")
+    parser.add_argument("--rounds", type=int, default=3, metavar="N", help="rounds, each timing every batch right "
+                        "after a bandwidth reading; figures are the rounds' medians (default 3)")
     parser.add_argument("--prompt-len", type=int, default=32, metavar="N", help="prompt tokens per sequence "
                         "(default 32): the context decode attends to")
     parser.add_argument("--compile", action="store_true", help="time the compiled artifact (compiling it first if "
@@ -135,8 +149,8 @@ def run(args: argparse.Namespace) -> int:
     from kiln import LLM
     from kiln.weights import huge_pages
 
-    if args.steps < 1 or args.prompt_len < 1:
-        raise KilnError("--steps and --prompt-len must be at least 1")
+    if args.steps < 1 or args.prompt_len < 1 or args.rounds < 1:
+        raise KilnError("--steps, --prompt-len and --rounds must be at least 1")
     llm = LLM(args.model_dir, dtype=args.dtype, compile=args.compile or args.require_artifact,
               require_artifact=args.require_artifact, cache_dir=args.cache_dir, quantization=args.quantization,
               lm_head_quantization=args.lm_head_quantization, threads=args.threads,
@@ -145,23 +159,34 @@ def run(args: argparse.Namespace) -> int:
     if not huge_pages.wait(HUGE_PAGES_WAIT_S):  # the steady state a server reaches once idle a moment
         logger.warning("packed weights not all on huge pages after %d s: measuring as they are", HUGE_PAGES_WAIT_S)
     huge_bytes = huge_pages.collapsed_bytes()
-    reads = read_bandwidth()
-    bandwidth = reads["best"]
+    probe = bandwidth_probe()
     screened = llm.engine.runner.greedy_tokens is not None  # greedy steps read the head's int8 copy
     weights = decode_weight_bytes(llm.model, screened)
+    rounds = []
+    for _ in range(args.rounds):  # each batch timed right after a bandwidth reading: the pair shares a phase
+        reads, times = {}, {}
+        for batch in args.batches:
+            reads[str(batch)] = probe()
+            times[str(batch)] = decode_step_seconds(llm, batch, args.steps, args.prompt_len) * 1e3
+        rounds.append({"read_bandwidth_gb_s": {b: round(r["best"] / 1e9, 2) for b, r in reads.items()},
+                       "read_bandwidth_by": {b: {how: round(v / 1e9, 2) for how, v in r.items() if how != "best"}
+                                             for b, r in reads.items()},
+                       "ms_per_token": {b: round(ms, 3) for b, ms in times.items()},
+                       "floor_fraction": {b: round(weights / reads[b]["best"] * 1e3 / ms, 3)
+                                          for b, ms in times.items()}})
+    bandwidth = statistics.median(gb for r in rounds for gb in r["read_bandwidth_gb_s"].values()) * 1e9
     floor_ms = weights / bandwidth * 1e3
     results = {}
-    for batch in args.batches:
-        ms = decode_step_seconds(llm, batch, args.steps, args.prompt_len) * 1e3
-        results[str(batch)] = {"ms_per_token": round(ms, 3), "tokens_per_s": round(batch / ms * 1e3, 2),
-                               "floor_fraction": round(floor_ms / ms, 3)}
+    for batch in map(str, args.batches):
+        ms = statistics.median(r["ms_per_token"][batch] for r in rounds)
+        results[batch] = {"ms_per_token": round(ms, 3), "tokens_per_s": round(int(batch) / ms * 1e3, 2),
+                          "floor_fraction": round(statistics.median(r["floor_fraction"][batch] for r in rounds), 3)}
     report = {"model": str(args.model_dir), "dtype": llm.dtype, "compiled": llm.artifact_path is not None,
               "quantization": args.quantization, "lm_head_quantization": args.lm_head_quantization,
               "threads": llm.threads, "greedy_screen": screened, "weight_bytes_per_step": weights,
-              "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
-              "read_bandwidth_by": {how: round(v / 1e9, 2) for how, v in reads.items() if how != "best"},
-              "huge_page_gb": round(huge_bytes / 1e9, 3), "floor_ms_per_step": round(floor_ms, 3),
-              "prompt_len": args.prompt_len, "batches": results}
+              "read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "huge_page_gb": round(huge_bytes / 1e9, 3),
+              "floor_ms_per_step": round(floor_ms, 3), "prompt_len": args.prompt_len, "batches": results,
+              "rounds": rounds}
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
