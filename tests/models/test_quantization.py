@@ -105,8 +105,8 @@ def test_int4_compiled_equals_int4_eager(demo_dirs, kiln_cache):
     from kiln.kernels import gemms
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
-    eager = LLM(demo_dirs["qwen2"], quantization="int4").generate(PROMPTS, params)
-    llm = LLM(demo_dirs["qwen2"], quantization="int4", compile=True, cache_dir=kiln_cache)
+    eager = LLM(demo_dirs["qwen2"], quantization="int4", device="cpu").generate(PROMPTS, params)
+    llm = LLM(demo_dirs["qwen2"], quantization="int4", compile=True, cache_dir=kiln_cache, device="cpu")
     probe = gemms.Projection("int4", (64, 64), torch.uint8, False, groups=1)
     want = "aten" if gemms.PANELS16_INT4.unavailable(probe) else "panels16_int4"
     choices = [c for v in artifact.read_manifest(llm.artifact_path)["variants"] for c in v["gemm_choices"]]

@@ -22,13 +22,14 @@ SCHEMES = ["int8", "fp8", "int8-static", "fp8-static"]
 def quantized_llms(demo_dirs, hf_models, tmp_path_factory) -> dict[str, LLM]:
     """The demo llama quantized six ways: online per-token int8/fp8 (and w7a8, int8 with 7-bit weight
     codes: its activations are int8's; and int4, W4A8 in groups), and compressed-tensors checkpoints with calibrated static
-    activation scales."""
+    activation scales. On the CPU on any machine: the GEMM choice these tests check is the CPU's, and int4
+    runs there only (a GPU machine's default device refuses it)."""
     amax = calibrate(hf_models["llama"], demo_dirs["llama"])
     root = tmp_path_factory.mktemp("static")
-    llms = {s: LLM(demo_dirs["llama"], quantization=s) for s in ("int8", "w7a8", "fp8", "int4")}
+    llms = {s: LLM(demo_dirs["llama"], quantization=s, device="cpu") for s in ("int8", "w7a8", "fp8", "int4")}
     for s in ("int8", "fp8"):
-        llms[f"{s}-static"] = LLM(write_compressed(demo_dirs["llama"], root / s, s, input_amax=amax))
-    llms[None] = LLM(demo_dirs["llama"])
+        llms[f"{s}-static"] = LLM(write_compressed(demo_dirs["llama"], root / s, s, input_amax=amax), device="cpu")
+    llms[None] = LLM(demo_dirs["llama"], device="cpu")
     return llms
 
 
