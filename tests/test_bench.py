@@ -211,6 +211,14 @@ def test_bench_decode_reports_each_batch_against_the_bandwidth_floor(demo_dirs, 
     assert ("gemv" in by) == (panel_linear.available((4096, 4096), torch.int8) is None)
 
 
+@pytest.mark.parametrize("option", ["--steps", "--prompt-len", "--rounds"])
+def test_bench_decode_refuses_counts_below_one_by_name(demo_dirs, option, capsys):
+    from kiln.cli import main
+
+    assert main(["bench", "decode", str(demo_dirs["llama"]), option, "0"]) != 0
+    assert f"{option} must be at least 1, got 0" in capsys.readouterr().err
+
+
 def test_decode_weight_bytes_count_the_head_once_and_no_embedding_lookup(demo_dirs):
     from kiln import LLM
     from kiln.bench.decode import decode_weight_bytes

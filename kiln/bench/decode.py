@@ -149,8 +149,9 @@ def run(args: argparse.Namespace) -> int:
     from kiln import LLM
     from kiln.weights import huge_pages
 
-    if args.steps < 1 or args.prompt_len < 1 or args.rounds < 1:
-        raise KilnError("--steps, --prompt-len and --rounds must be at least 1")
+    for name in ("steps", "prompt_len", "rounds"):
+        if getattr(args, name) < 1:
+            raise KilnError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     llm = LLM(args.model_dir, dtype=args.dtype, compile=args.compile or args.require_artifact,
               require_artifact=args.require_artifact, cache_dir=args.cache_dir, quantization=args.quantization,
               lm_head_quantization=args.lm_head_quantization, threads=args.threads,
