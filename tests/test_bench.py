@@ -182,7 +182,6 @@ def test_bench_startup_end_to_end(tmp_path, monkeypatch, capsys):
 
 
 def test_bench_decode_reports_each_batch_against_the_bandwidth_floor(demo_dirs, tmp_path, capsys):
-    from kiln.bench.decode import decode_weight_bytes
     from kiln.cli import main
 
     out = tmp_path / "decode.json"

@@ -5,7 +5,7 @@ import torch
 
 from kiln.passes import count_ops
 from kiln.passes.fusion.act_quant import SiluMulQuantFusion
-from tests.passes.conftest import assert_same_outputs, SCHEMES, fresh, run_graph
+from tests.passes.conftest import assert_same_outputs, SCHEMES, fresh
 
 ops = torch.ops.kiln
 

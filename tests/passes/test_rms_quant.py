@@ -5,7 +5,7 @@ import torch
 
 from kiln.passes import count_ops
 from kiln.passes.fusion.rms_quant import RMSNormQuantFusion
-from tests.passes.conftest import assert_same_outputs, SCHEMES, fresh, run_graph
+from tests.passes.conftest import assert_same_outputs, SCHEMES, fresh
 
 ops = torch.ops.kiln
 QUANTS = (ops.quant_int8, ops.quant_fp8)

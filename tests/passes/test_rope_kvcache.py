@@ -8,7 +8,7 @@ import torch
 
 from kiln.passes import count_ops
 from kiln.passes.fusion.rope_kvcache import RopeKVCacheFusion
-from tests.passes.conftest import assert_same_outputs, fresh, run_graph
+from tests.passes.conftest import assert_same_outputs, fresh
 
 ops = torch.ops.kiln
 
