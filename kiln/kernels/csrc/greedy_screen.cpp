@@ -45,6 +45,15 @@ static inline void kiln_screen_take(kiln_screen_best* best, float logit, int64_t
   }
 }
 
+// Row r's leader over the n threads' leaders `best` [n, R] (token -1: none), taken in thread order: the
+// largest logit, the first token of equal ones, since each thread holds a later share of the vocabulary
+static kiln_screen_best kiln_screen_lead(const kiln_screen_best* best, int64_t R, int64_t r, int64_t n) {
+  kiln_screen_best lead = {0.f, -1};
+  for (int64_t j = 0; j < n; ++j)
+    if (best[j * R + r].token >= 0 && (lead.token < 0 || best[j * R + r].logit > lead.logit)) lead = best[j * R + r];
+  return lead;
+}
+
 // tokens [R]: each row's argmax of an int8 LM head's logits s (t_v (q . c_v)), fp32 rounded after each
 // product as Int8Head computes them (q, s: the row quantized as kiln::quant_int8 does), the first of
 // equal ones; -1 for a row with a NaN or an infinity in h or in its logits. The codes c are the head.
@@ -79,14 +88,10 @@ static void kiln_int8_head_argmax(const float* h, const uint8_t* w, const float*
       }
     }
   }
-  for (int64_t r = 0; r < R; ++r) {  // threads in order: the first token of equal logits
-    kiln_screen_best top = {0.f, -1};
+  for (int64_t r = 0; r < R; ++r) {
     bool bad = !finite[r];
-    for (int j = 0; j < threads; ++j) {
-      bad = bad || nan[j * R + r];
-      if (best[j * R + r].token >= 0 && (top.token < 0 || best[j * R + r].logit > top.logit)) top = best[j * R + r];
-    }
-    tokens[r] = bad ? -1 : top.token;
+    for (int j = 0; j < threads; ++j) bad = bad || nan[j * R + r];
+    tokens[r] = bad ? -1 : kiln_screen_lead(best, R, r, threads).token;
   }
   free(nan), free(best), free(y), free(at), free(finite), free(scale), free(codes);
 }
@@ -173,9 +178,7 @@ extern "C" void kiln_greedy_screen(const float* h, const uint8_t* w, const float
     #pragma omp barrier
     #pragma omp single
     for (int64_t r = 0; r < R; ++r) {  // the threshold a token's y must reach to beat the leader in fp32
-      kiln_screen_best lead = {0.f, -1};
-      for (int64_t j = 0; j < n; ++j)
-        if (best[j * R + r].token >= 0 && (lead.token < 0 || best[j * R + r].logit > lead.logit)) lead = best[j * R + r];
+      const kiln_screen_best lead = kiln_screen_lead(best, R, r, n);
       threshold[r] = NAN;
       if (finite[r] && lead.token >= 0) {
         const double logit = kiln_screen_dot(W + lead.token * K, h + r * K, K);
