@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         logger.warning("packed weights not all on huge pages after %d s: measuring as they are", HUGE_PAGES_WAIT_S)
     huge_bytes = huge_pages.collapsed_bytes()
     probe = bandwidth_probe()
-    screened = llm.engine.runner.greedy_tokens is not None  # greedy steps read the head's int8 copy
+    screened = llm.engine.runner.greedy_tokens is not None  # greedy steps read int8 codes
     weights = decode_weight_bytes(llm.model, screened)
     rounds = []
     for _ in range(args.rounds):  # each batch timed right after a bandwidth reading: the pair shares a phase

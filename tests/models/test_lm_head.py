@@ -37,12 +37,10 @@ def test_compiled_program_keeps_the_int8_head(demo_dirs, kiln_cache):
     manifest = artifact.read_manifest(llm.artifact_path)
     shipped = "panels16_int8" in artifact.lm_head_libraries(manifest)
     assert (llm.model.lm_head_kernel.kernel == "panels16_int8") == shipped
-    # greedy steps take the head's argmax from the greedy screen's library where the artifact ships it:
-    # the tokens of the logits path (logprobs asked for), step by step
+    # greedy steps take the head's argmax from the greedy screen's library exactly where the artifact ships
+    # it (the demo's head is too small to pack; tests/kernels/test_cpp_lowering.py forces the libraries)
     one_kernel = shipped and "greedy_screen" in manifest.get("libraries", {})
     assert (llm.engine.runner.greedy_tokens == llm.model.lm_head_kernel.greedy) == one_kernel
-    plain = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    assert [o.token_ids for o in llm.generate(PROMPTS, plain)] == [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
 def test_unknown_head_quantization_is_refused(demo_dirs):
