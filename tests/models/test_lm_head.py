@@ -41,6 +41,8 @@ def test_compiled_program_keeps_the_int8_head(demo_dirs, kiln_cache):
     # it (the demo's head is too small to pack; tests/kernels/test_cpp_lowering.py forces the libraries)
     one_kernel = shipped and "greedy_screen" in manifest.get("libraries", {})
     assert (llm.engine.runner.greedy_tokens == llm.model.lm_head_kernel.greedy) == one_kernel
+    plain = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)  # greedy steps, with and without logprobs
+    assert [o.token_ids for o in llm.generate(PROMPTS, plain)] == [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
 def test_unknown_head_quantization_is_refused(demo_dirs):
