@@ -32,10 +32,11 @@ device time, and the step's wall time beside its kernels' time). Figures are med
 ratios are taken within a round against Hugging Face's faster system, then the median.
 
 `--phase prepare` builds the models, compiles kiln's artifacts and runs one untimed warm-up of
-kiln-graphs and hf-compiled (Inductor's and Triton's caches filled), so that `--phase measure`
-later, on the same machine, times processes that load rather than compile; `--deadline S` stops
-starting workers S seconds after the script began and writes what it has (`--out` is rewritten
-after every worker). On a CPU (`--device cpu`) the same runs without CUDA graphs: the suite's smoke
+kiln-graphs and hf-compiled (Inductor's and Triton's caches filled), a process a system and model,
+side by side, so that `--phase measure` later, on the same machine (its caches are on local disk),
+times processes that load rather than compile. `--deadline S` starts no worker that would run past
+S seconds from the script's start (judged by that system's last worker) and writes what it has;
+`--out` is rewritten, summary included, after every worker. On a CPU (`--device cpu`) the same runs without CUDA graphs: the suite's smoke
 test.
 """
 
@@ -330,7 +331,7 @@ def worker(system: str, model_dirs: list[Path], device: str, dtype: str, batches
            steps: int, prompt_len: int, cache_dir: Path, do_profile: bool) -> None:
     """One system on each model, in this process: one JSON line per model on stdout."""
     dev, dt = torch.device(device), getattr(torch, dtype)
-    if dev.type == "cuda":
+    if dev.type == "cuda" and dev.index is not None:
         torch.cuda.set_device(dev)
     rate = copy_rate(dev)
     pre_batch, pre_len = prefill
@@ -345,6 +346,8 @@ def worker(system: str, model_dirs: list[Path], device: str, dtype: str, batches
                 runner = KilnRunner(model_dir, dev, dt, system, cache_dir, max_tokens=max(2048, pre_batch * pre_len),
                                     max_seqs=max(64, pre_batch, *batches), graph_sizes=tuple(sorted(set(batches))))
             result["load_s"] = round(time.perf_counter() - start, 2)
+            if isinstance(runner, KilnRunner) and runner.llm.artifact_path is not None:
+                result["artifact"] = str(runner.llm.artifact_path)
             result["greedy"] = [runner.decode([p], GREEDY_TOKENS)[0][0] for p in greedy_prompts(model_dir, vocab)]
             result["decode_ms"] = {}
             for batch in batches:
@@ -611,14 +614,18 @@ def main(argv: list[str] | None = None) -> None:
         if args.phase in ("all", "measure"):
             results["rounds"] = []
             profiled = next((s for s in ("kiln-graphs", "kiln-compiled", "kiln-eager") if s in args.systems), None)
+            took: dict[str, float] = {}  # each system's last worker, in seconds
             for index in range(args.rounds):
                 round_: dict = {}
                 results["rounds"].append(round_)
                 for system in rotated(args.systems, index):
-                    if remaining() <= 0:
-                        print(f"deadline: {system} in round {index + 1} not run", flush=True)
+                    if remaining() < took.get(system, 0):  # a worker the deadline would cut off measures nothing
+                        print(f"deadline: {system} in round {index + 1} not run ({remaining():.0f} s left, it took "
+                              f"{took.get(system, 0):.0f} s)", flush=True)
                         continue
+                    start = time.perf_counter()
                     round_[system] = run_worker(args, system, models, index == 0 and system == profiled, remaining())
+                    took[system] = time.perf_counter() - start
                     results |= summarize_all(results["rounds"], models, dtype)  # kept current: a cut-off run has it
                     _write(results, args.out)
             results |= summarize_all(results["rounds"], models, dtype)
