@@ -60,22 +60,17 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
-from harness import machine  # noqa: E402
+from harness import hf_cache_argument, machine  # noqa: E402
 from peers import rotated  # noqa: E402
 from quantization import QWEN25_05B  # noqa: E402
 
+import smollm2  # noqa: E402
+
 SYSTEMS = ("hf-eager", "hf-compiled", "kiln-eager", "kiln-compiled", "kiln-graphs")
 HF_SYSTEMS = ("hf-eager", "hf-compiled")
-SMOLLM2_135M = dict(
-    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-    num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rope_theta=100000.0,
-    rms_norm_eps=9.999999747378752e-06, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2,
-)
-"""SmolLM2-135M-Instruct's config (read off its GGUF through transformers): the random twin's too, so the
-real checkpoint and its twin share one kiln artifact and one set of Inductor graphs."""
-SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "tie_word_embeddings", "rope_theta")
-MODELS = {"qwen2.5-0.5b": ("qwen2", QWEN25_05B), "smollm2-135m": ("llama", SMOLLM2_135M)}
+MODELS = {"qwen2.5-0.5b": ("qwen2", QWEN25_05B), "smollm2-135m": ("llama", smollm2.CONFIG)}
+"""The built-in models: their random weights' shapes (SmolLM2's real config, so that its real checkpoint and
+this twin share one kiln artifact and one set of Inductor graphs)."""
 SMOLLM2_PROMPTS = {  # SmolLM2's tokenizer, so that the real model's greedy tokens are text
     "The capital of France is": [504, 3575, 282, 4649, 314],
     "Water boils at a temperature of": [12615, 36411, 418, 253, 2779, 282],
@@ -113,28 +108,11 @@ def write_random_model(out: Path, arch: str, shape: dict, dtype: torch.dtype) ->
 
 
 def real_smollm2(checkpoint: Path, out: Path, dtype: torch.dtype) -> Path:
-    """The real SmolLM2-135M as a Hugging Face directory: `checkpoint` itself, or its GGUF file
-    dequantized by transformers and stored in `dtype`. The config written is SMOLLM2_135M's (checked
-    against the checkpoint's), so the real model and its random twin share their compiled artifacts."""
+    """The real SmolLM2-135M as a Hugging Face directory: `checkpoint` itself, or its GGUF file dequantized
+    into `out` in `dtype` (`smollm2.convert`: its config is the twin's, so they share compiled artifacts)."""
     if checkpoint.is_dir():
         return checkpoint
-    if (out / "config.json").is_file():
-        return out
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    model = AutoModelForCausalLM.from_pretrained(checkpoint.parent, gguf_file=checkpoint.name, dtype=torch.float32)
-    got = model.config.to_dict()
-    got["rope_theta"] = got.get("rope_theta") or (got.get("rope_parameters") or {}).get("rope_theta")
-    differs = {k: (got.get(k), v) for k, v in SMOLLM2_135M.items() if k in SHAPE_FIELDS and got.get(k) != v}
-    if differs:
-        raise ValueError(f"{checkpoint} is not SmolLM2-135M's shape: {differs} (got, expected)")
-    model.hf_quantizer = None  # save_pretrained refuses a model loaded through a quantizer
-    model.config = LlamaConfig(**SMOLLM2_135M, dtype=str(dtype).removeprefix("torch."))
-    model.to(dtype)
-    tmp = out.with_name(out.name + ".partial")
-    model.save_pretrained(tmp)
-    tmp.rename(out)
-    return out
+    return smollm2.convert(checkpoint, out, str(dtype).removeprefix("torch."), tokenizer=False)
 
 
 def weight_bytes(model_dir: Path, dtype: torch.dtype) -> int:
@@ -184,7 +162,7 @@ def sync(device: torch.device) -> None:
 
 def greedy_prompts(model_dir: Path, vocab: int) -> list[list[int]]:
     config = json.loads((model_dir / "config.json").read_text())
-    if config.get("vocab_size") == SMOLLM2_135M["vocab_size"] and config.get("hidden_size") == 576:
+    if all(config.get(k) == smollm2.CONFIG[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers")):
         return list(SMOLLM2_PROMPTS.values())
     return prompt_ids(4, 8, vocab, seed=1)
 
@@ -200,6 +178,7 @@ class HFRunner:
         self.model.to(device).eval()
         self.device, self.compiled, self.max_len = device, compiled, max_len
         self.caches: dict[int, object] = {}
+        self.cache_argument = hf_cache_argument(self.model)
         self.forward = self.model.forward
         if compiled:
             import torch._dynamo
@@ -228,15 +207,15 @@ class HFRunner:
         batch, length = ids.shape
         cache = self._cache(batch, length + new_tokens)
         positions = torch.arange(length, device=self.device)
-        logits = self.model(input_ids=ids, past_key_values=cache, cache_position=positions, use_cache=True,
-                            logits_to_keep=1).logits
+        logits = self.model(input_ids=ids, cache_position=positions, use_cache=True, logits_to_keep=1,
+                            **{self.cache_argument: cache}).logits
         token = logits[:, -1].argmax(-1, keepdim=True)
         tokens, times = [token], []
         for pos in range(length, length + new_tokens - 1):
             sync(self.device)
             start = time.perf_counter()
-            out = self.forward(input_ids=token, past_key_values=cache, use_cache=True,
-                               cache_position=torch.tensor([pos], device=self.device))
+            out = self.forward(input_ids=token, use_cache=True, cache_position=torch.tensor([pos], device=self.device),
+                               **{self.cache_argument: cache})
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             sync(self.device)
             times.append(time.perf_counter() - start)
@@ -249,7 +228,7 @@ class HFRunner:
         cache = self._cache(ids.shape[0], ids.shape[1])
         sync(self.device)
         start = time.perf_counter()
-        logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self.cache_argument: cache}).logits
         logits[:, -1].argmax(-1).tolist()
         return time.perf_counter() - start
 

@@ -27,6 +27,14 @@ def _cpu_name() -> str:
     return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown")
 
 
+def hf_cache_argument(model) -> str:
+    """The keyword transformers' forward takes its KV cache by: `cache` from 5.24 on (where
+    `past_key_values` is deprecated), `past_key_values` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def median_seconds(fn, repeats: int = 200, sync=None) -> float:
     """Median wall time of `fn()` after a warm-up; `sync` (torch.cuda.synchronize on a GPU) runs
     around each call so the time covers the work, not just its launch."""

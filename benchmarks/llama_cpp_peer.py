@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-QUANTS = {"llama.cpp-f32": None, "llama.cpp-q8_0": "Q8_0", "llama.cpp-q4_k_m": "Q4_K_M"}
+QUANTS = {"llama.cpp-f32": None, "llama.cpp-q8_0": "Q8_0", "llama.cpp-q4_k_m": "Q4_K_M", "llama.cpp-q4_0": "Q4_0"}
 """The llama.cpp systems and the `llama-quantize` type each runs (None: the F32 file)."""
 
 _BLOCK = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -37,11 +37,15 @@ ARCHS = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 """The checkpoints written as GGUF here, and llama.cpp's name for each."""
 
 
-def write_gguf(model_dir: Path, out: Path, llama_cpp: Path, quant: str | None = None) -> Path:
+def write_gguf(model_dir: Path, out: Path, llama_cpp: Path, quant: str | None = None,
+               tokenizer: Path | None = None) -> Path:
     """The checkpoint in `model_dir` (a Qwen2 or Llama config.json and safetensors) as a GGUF at `out`:
     F32, or with `quant="Q8_0"` its matrices quantized by gguf-py as they are written (an 8B model's
     F32 or BF16 file would not fit beside its checkpoint on a 64 GB disk). Tensors are streamed one at
-    a time: the writer never holds the model. A Llama-3 rope scaling is left out (speed only)."""
+    a time: the writer never holds the model. A Llama-3 rope scaling is left out (speed only). The token
+    list is placeholders, or `tokenizer`'s: a GGUF whose tokenizer fields are copied (a real model's text
+    tokenized by llama.cpp itself, as `llama-perplexity` does). A Llama's query and key rows are permuted
+    to the interleaved rotary pairs llama.cpp's llama architecture rotates."""
     sys.path.insert(0, str(llama_cpp / "src" / "vendor" / "llama.cpp" / "gguf-py"))
     import gguf
     import numpy as np
@@ -65,13 +69,16 @@ def write_gguf(model_dir: Path, out: Path, llama_cpp: Path, quant: str | None = 
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if quant == "Q8_0" else gguf.LlamaFileType.ALL_F32)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list([f"<{i}>" for i in range(cfg.vocab_size)])
-    writer.add_token_types([gguf.TokenType.NORMAL] * cfg.vocab_size)
-    writer.add_token_merges(["< 0"])
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(1)
+    if tokenizer is None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list([f"<{i}>" for i in range(cfg.vocab_size)])
+        writer.add_token_types([gguf.TokenType.NORMAL] * cfg.vocab_size)
+        writer.add_token_merges(["< 0"])
+        writer.add_bos_token_id(0)
+        writer.add_eos_token_id(1)
+    else:
+        _copy_tokenizer(gguf, tokenizer, writer)
     files = sorted(model_dir.glob("*.safetensors"))
     names = [(path, name) for path in files for name in safe_open(path, "pt").keys()]
 
@@ -92,19 +99,36 @@ def write_gguf(model_dir: Path, out: Path, llama_cpp: Path, quant: str | None = 
     for path, name in names:
         with safe_open(path, "pt") as f:
             data = f.get_tensor(name).float().numpy()
+        if cfg.architecture == "LlamaForCausalLM" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            data = _interleave_rotary(data, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
         writer.write_tensor_data(gguf.quants.quantize(data, qtype) if quantized(data.shape) else data)
     writer.close()
     return out
 
 
+def _interleave_rotary(weight, heads: int):
+    """A query or key projection's rows, each head's halves (the rotary pairs Hugging Face's Llama rotates:
+    i and i + D/2) interleaved (2i, 2i + 1), as llama.cpp's llama architecture rotates them."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _copy_tokenizer(gguf, source: Path, writer) -> None:
+    """Every `tokenizer.ggml.*` field of the GGUF `source` into `writer`, as it is."""
+    reader = gguf.GGUFReader(str(source))
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            writer.add_key_value(key, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
+
+
 def prepare(model_dir: Path, work: Path, llama_cpp: Path, systems: list[str],
-            source: str | None = None) -> dict[str, Path]:
+            source: str | None = None, tokenizer: Path | None = None) -> dict[str, Path]:
     """Each llama.cpp system's GGUF file, written once: the F32 file (`source` None), or the file of type
     `source` ("Q8_0", for a model whose F32 file would not fit on the disk), then each other type made
     from it by `llama-quantize` (from a Q8_0 source, requantized: its speed is what counts here)."""
     base = work / f"model-{(source or 'f32').lower()}.gguf"
     if not base.is_file():
-        write_gguf(model_dir, base, llama_cpp, source)
+        write_gguf(model_dir, base, llama_cpp, source, tokenizer)
     files = {}
     for system in systems:
         kind = QUANTS[system]

