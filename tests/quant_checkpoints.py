@@ -57,6 +57,13 @@ def _fake_quant(x: torch.Tensor, scale: torch.Tensor | None, scheme: str) -> tor
     return q * s
 
 
+def _fake_quant_blocks(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """Reference int4 activation quantization in plain torch: int8 per token and block of `block` channels."""
+    xb = x.view(*x.shape[:-1], x.shape[-1] // block, block)
+    s = (xb.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-10)
+    return ((xb / s).round().clamp(-127, 127) * s).view(x.shape)
+
+
 def _projections(hf_model):
     return [(n, m) for n, m in hf_model.named_modules() if n.split(".")[-1] in PROJECTIONS]
 
@@ -146,11 +153,11 @@ def dequantized_reference(src: Path, ckpt: Path, scheme: str):
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     tensors = load_file(ckpt / "model.safetensors")
     for name, linear in _projections(model):
-        if scheme == "int4":  # W4A16 run as W4A8: kiln quantizes the activations to int8 per token
+        if scheme == "int4":  # W4A16 run as W4A8: kiln quantizes the activations to int8 per token and block of 32
             scale = tensors[f"{name}.weight_scale"].float()
             codes = unpack_words(tensors[f"{name}.weight_packed"]).float()
             linear.weight.data = (codes.view(*scale.shape, -1) * scale[..., None]).view(codes.shape)
-            linear.register_forward_pre_hook(lambda mod, a: (_fake_quant(a[0], None, "int8"),))
+            linear.register_forward_pre_hook(lambda mod, a: (_fake_quant_blocks(a[0]),))
             continue
         scale = tensors[f"{name}.weight_scale"].reshape(-1, 1)
         linear.weight.data = tensors[f"{name}.weight"].float() * scale

@@ -64,7 +64,13 @@ def register() -> bool:
 
     lowering(panel_linear.FLOAT)
     lowering(panel_linear.INT8)
-    lowering(panel_linear.INT4)
+
+    @register_lowering(torch.ops.kiln.panel_int4_linear.default, type_promotion_kind=None)
+    def lower_int4(a, a_scale, weight, scales, mins):
+        kernel = panel_linear.INT4
+        layout = ir.FixedLayout(a.get_device(), torch.float32, [a.get_size()[0], weight.get_size()[0]])
+        return ir.TensorBox.create(CppKernel(kernel.op, kernel.source + kernel.wrapper_source, kernel.shim, layout,
+                                             realized((a, a_scale, weight, scales, mins))))
 
     def kernel_lowering(module, layout_of):
         """`module`'s op (a kernel module: SOURCE, WRAPPER_SOURCE, SHIM) lowered to its C++ kernel;

@@ -20,7 +20,7 @@ aten, ops = torch.ops.aten, torch.ops.kiln
 
 KINDS = ("float", "int8", "w7a8", "fp8", "int4")
 """Projection kinds: "float" (mm/addmm), "int8" (W8A8 `scaled_mm`), "w7a8" (int8 with 7-bit weight
-codes), "fp8" (fp8 `scaled_mm`) and "int4" (W4A8 `int4_scaled_mm`)."""
+codes), "fp8" (fp8 `scaled_mm`) and "int4" (W4A8 `int4_block_mm`)."""
 INT8_KINDS = ("int8", "w7a8")
 
 
@@ -33,7 +33,7 @@ class Projection:
     dtype: torch.dtype
     bias: bool = False
     out_dtype: torch.dtype | None = None  # scaled_mm's
-    groups: int = 0  # int4: the weight scales' groups per row
+    groups: int = 0  # int4: the weight's groups per row (a scale and a minimum each)
 
     @property
     def code_max(self) -> int:
@@ -57,11 +57,11 @@ Runner = Callable[[Projection, NextWeight, torch.Tensor | None, torch.Tensor], C
 class GemmCandidate:
     """One GEMM kernel. `emit(insert, x, weight, bias)` builds its call in a graph and returns its
     output: for int8 and fp8 kinds the unscaled fp32 product (the pass adds `scaled_mm`'s epilogue;
-    `bias` is then None); for int4 the product with the weight's group scales, which it gets in
-    `bias`'s place (the pass adds the activation's scale and the bias). A runner of an int4 kernel
-    likewise gets the group scales [N, groups] as its weight scale. `pack` makes the weight format from
-    the weight as loaded (None: the weight as loaded), into `out` where `plain` (a plain tensor of the
-    weight's shape and dtype)."""
+    `bias` is then None); for int4 the whole fp32 product, the activation's block scales and the
+    weight's group scales and minimums applied, which it gets as (a_scale, scales, mins) in `bias`'s
+    place (the pass adds the bias). A runner of an int4 kernel likewise gets (scales, mins) [N, groups]
+    as its weight scale. `pack` makes the weight format from the weight as loaded (None: the weight as
+    loaded), into `out` where `plain` (a plain tensor of the weight's shape and dtype)."""
 
     id: str
     kinds: tuple[str, ...]
@@ -118,7 +118,7 @@ def _aten_runner(p: Projection, weight: NextWeight, bias, scale) -> Callable:
     if p.kind in INT8_KINDS:
         return lambda a, s: torch._int_mm(a, weight().t())
     if p.kind == "int4":
-        return lambda a, s: a.float() @ quant.dequantize_int4(weight(), scale).t()
+        return lambda a, s: quant.int4_block_mm(a, s, weight(), *scale, torch.float32)
     return lambda a, s: ops.scaled_mm(a, weight(), s, scale, p.out_dtype, bias)
 
 
@@ -158,8 +158,8 @@ def _panels_int8_runner(p: Projection, weight: NextWeight, bias, scale) -> Calla
 
 def _panels_int4_runner(p: Projection, weight: NextWeight, bias, scale) -> Callable:
     gemm = panel_linear.timing_kernel(panel_linear.INT4)
-    scales = panel_linear.pack(scale)
-    return lambda a, s: gemm(a, weight(), scales)
+    scales, mins = (panel_linear.pack_int4_groups(t) for t in scale)
+    return lambda a, s: gemm(a, s, weight(), scales, mins)
 
 
 def _widened_runner(p: Projection, weight: NextWeight, bias, scale) -> Callable:
@@ -174,29 +174,34 @@ def _float_emit(op) -> Callable:
 
 def _aten_emit(insert: Insert, a, weight, bias):
     """int8: torch._int_mm, which AOTInductor calls from C++ with no Python op around it; int4: the
-    weight dequantized to fp32 in the graph (Inductor fuses it into one loop) for torch's float GEMM,
-    the path for CPUs without a panel GEMM (no AVX-512 VNNI)."""
+    weight and the activations dequantized to fp32 in the graph (Inductor fuses each into one loop) for
+    torch's float GEMM, the path for CPUs without the int4 panel GEMM (neither AVX2 nor AVX-512)."""
     if weight.meta["val"].dtype == torch.uint8:
         return _dequantized_int4_emit(insert, a, weight, bias)
     sums = insert(aten._int_mm.default, (a, insert(aten.t.default, (weight,))))
     return insert(aten._to_copy.default, (sums,), {"dtype": torch.float32})
 
 
-def _dequantized_int4_emit(insert: Insert, a, weight, scales):
+def _dequantized_int4_emit(insert: Insert, a, weight, extra):
+    a_scale, scales, mins = extra
     n, half = weight.meta["val"].shape
     groups = scales.meta["val"].shape[1]
     lo = insert(aten.bitwise_and.Scalar, (weight, 0x0F))
     hi = insert(aten.bitwise_right_shift.Tensor_Scalar, (weight, 4))
     codes = insert(aten.view.default, (insert(aten.stack.default, ([lo, hi], -1)), [n, groups, 2 * half // groups]))
-    wide = insert(aten.sub.Tensor, (insert(aten._to_copy.default, (codes,), {"dtype": torch.float32}), 8.0))
-    scaled = insert(aten.mul.Tensor, (wide, insert(aten.unsqueeze.default, (scales, -1))))
-    w = insert(aten.view.default, (scaled, [n, 2 * half]))
-    rows = insert(aten._to_copy.default, (a,), {"dtype": torch.float32})
-    return insert(aten.mm.default, (rows, insert(aten.t.default, (w,))))
+    wide = insert(aten._to_copy.default, (codes,), {"dtype": torch.float32})
+    scale, low = (insert(aten.unsqueeze.default, (insert(aten._to_copy.default, (t,), {"dtype": torch.float32}), -1))
+                  for t in (scales, mins))
+    w = insert(aten.view.default, (insert(aten.add.Tensor, (insert(aten.mul.Tensor, (wide, scale)), low)), [n, 2 * half]))
+    rows = insert(aten.view.default, (insert(aten._to_copy.default, (a,), {"dtype": torch.float32}),
+                                      [-1, 2 * half // quant.INT4_BLOCK, quant.INT4_BLOCK]))
+    x = insert(aten.view.default, (insert(aten.mul.Tensor, (rows, insert(aten.unsqueeze.default, (a_scale, -1)))),
+                                   [-1, 2 * half]))
+    return insert(aten.mm.default, (x, insert(aten.t.default, (w,))))
 
 
-def _panels_int4_emit(insert: Insert, a, weight, scales):
-    return insert(ops.panel_int4_linear.default, (a, weight, scales))
+def _panels_int4_emit(insert: Insert, a, weight, extra):
+    return insert(ops.panel_int4_linear.default, (a, *extra[:1], weight, *extra[1:]))
 
 
 def _onednn_int8_emit(insert: Insert, a, weight, bias):
@@ -269,27 +274,28 @@ PANELS16_INT8 = GemmCandidate("panels16_int8", INT8_KINDS, (torch.int8,),
                               "kiln's int8 panel GEMM: panels of 16 output channels, codes + 128",
                               _panels_int8_runner, _panels_int8_emit, panel_linear.pack_int8, plain=True,
                               op=ops.panel_int8_linear.default, check=_panels_check)
-PANELS16_INT4 = GemmCandidate("panels16_int4", ("int4",), (torch.uint8,),
-                              "kiln's W4A8 panel GEMM: panels of 16 output channels, 8 K of them a 64-byte line of "
-                              "4-bit codes, unpacked in registers", _panels_int4_runner, _panels_int4_emit,
-                              panel_linear.pack_int4, plain=True, op=ops.panel_int4_linear.default,
-                              check=_panels_check)
-INT4_SCALES = GemmCandidate("panels16_int4_scales", (), None, "the group scales of a weight on kiln's W4A8 panel "
-                            "GEMM, each panel's [groups, 16] in order (a format, never a kernel of its own)",
-                            _aten_runner, None, panel_linear.pack, plain=True)
+PANELS8_INT4 = GemmCandidate("panels8_int4", ("int4",), (torch.uint8,),
+                             "kiln's W4A8 panel GEMM (AVX2, or AVX-512 VNNI's 256-bit dot product): panels of 8 "
+                             "output channels, 8 K of them a 32-byte line of 4-bit codes, unpacked in registers",
+                             _panels_int4_runner, _panels_int4_emit, panel_linear.pack_int4, plain=True,
+                             op=ops.panel_int4_linear.default, check=_panels_check)
+INT4_GROUPS = GemmCandidate("panels8_int4_groups", (), None, "the group scales and minimums (fp16) of a weight on "
+                            "kiln's W4A8 panel GEMM, each panel's [groups, 8] in order (a format, never a kernel "
+                            "of its own)", _aten_runner, None, panel_linear.pack_int4_groups, plain=True)
 WIDENED = GemmCandidate("widened", INT8_KINDS, (torch.int8,),
                         "int8 codes widened to fp32 per call for torch's float GEMM (exact: integer products): "
                         "where a CPU's int8 GEMMs are slow, large prefill chunks compute faster so",
                         _widened_runner, _widened_emit)
 
-ALL = (ONEDNN, ONEDNN_INT8, FBGEMM_INT8, FBGEMM_W7A8, ONEDNN_FP8, PANELS16, PANELS16_INT8, PANELS16_INT4, WIDENED)
+ALL = (ONEDNN, ONEDNN_INT8, FBGEMM_INT8, FBGEMM_W7A8, ONEDNN_FP8, PANELS16, PANELS16_INT8, PANELS8_INT4, WIDENED)
 """The candidates, in the order they are tried (ties go to the earlier)."""
 BY_ID = {c.id: c for c in (ATEN, *ALL)}
-FORMATS = {c.id: c for c in (*ALL, INT4_SCALES) if c.packed}
-"""The weight formats: a packed candidate's format has its id (and the int4 panel GEMM's scales have theirs)."""
-SCALE_FORMATS = {PANELS16_INT4.id: INT4_SCALES.id}
-"""The format of the scales a kernel reads beside its weight, where it packs them too."""
-PLAIN_FORMATS = tuple(c.id for c in (*ALL, INT4_SCALES) if c.plain)
+FORMATS = {c.id: c for c in (*ALL, INT4_GROUPS) if c.packed}
+"""The weight formats: a packed candidate's format has its id (and the int4 panel GEMM's group scales and
+minimums have theirs)."""
+SCALE_FORMATS = {PANELS8_INT4.id: INT4_GROUPS.id}
+"""The format of the group scales and minimums a kernel reads beside its weight, where it packs them too."""
+PLAIN_FORMATS = tuple(c.id for c in (*ALL, INT4_GROUPS) if c.plain)
 """Formats whose packed weight is a plain tensor of the weight's shape and dtype, which `pack` can write
 into memory given to it (the pack cache gives a file's)."""
 

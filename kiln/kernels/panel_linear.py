@@ -1,11 +1,12 @@
-"""kiln's GEMMs for decode batches on AVX-512 CPUs, fp32, int8 and int4 (VNNI): the weight packed in panels
-of 16 output channels, each panel's K x 16 block contiguous, streamed once per call while up to 16
-token rows accumulate in registers, with the panel 16 KB ahead prefetched.
+"""kiln's GEMMs for decode batches on x86 CPUs: fp32 and int8 on AVX-512 (int8 with VNNI), the weight
+packed in panels of 16 output channels, each panel's K x 16 block contiguous, streamed once per call
+while up to 16 token rows accumulate in registers, with the panel 16 KB ahead prefetched; and int4
+(W4A8) on AVX2 or AVX-512, in panels of 8.
 
 At decode sizes a projection reads its weight from memory, and oneDNN's fp32 GEMM does not keep the
 memory busy while it computes: this kernel runs close to the time it takes to stream the weight, and
-so do the int8 kernel (`vpdpbusd`, four K per instruction) and the int4 kernel (W4A8: 4-bit codes
-unpacked to bytes in registers, each group's exact int32 sums times its scales); on small
+so do the int8 kernel (`vpdpbusd`, four K per instruction) and the int4 kernel (4-bit codes unpacked
+to bytes in registers, each block of 32 K's exact integer sums times its scales); on small
 projections oneDNN's per-call costs outweigh the GEMM. docs/cpu.md has the measurements; the compile
 times the kernels against the others on every projection (`kiln.passes.gemm_choice`).
 
@@ -28,9 +29,12 @@ from pathlib import Path
 import torch
 
 from kiln.kernels import cpp_source
+from kiln.kernels.quant import INT4_BLOCK
 
 PANEL = 16
 """Output channels a panel holds: one AVX-512 register of fp32 (the kernels' KILN_PANEL, csrc/panel.h)."""
+INT4_PANEL = 8
+"""Output channels a panel of the int4 kernel holds: one AVX2 register of fp32 (csrc/panel_int4_linear.cpp)."""
 PREFETCH_LINES = 256
 """How far ahead of the row being multiplied the kernel prefetches its weight, in 64-byte lines
 (a K x 16 panel row is one line): chosen by timing; nearer left the GEMM waiting on memory. The kernels' KILN_PREFETCH_LINES (csrc/panel.h)."""
@@ -61,20 +65,21 @@ class PanelKernel:
     wrapper_source: str
     """The C shim function `shim` that calls `entry` from the piece's wrapper."""
     shim: str
-    isa: str
-    """The compile flag the kernel needs among Inductor's for this CPU."""
+    isa: tuple[str, ...]
+    """The compile flags of which the kernel needs one among Inductor's for this CPU."""
     takes_bias: bool
     """Whether `entry` takes a bias pointer after the weight's."""
-    takes_scales: bool = False
-    """Whether `entry` takes the weight's group scales after the weight (and their count after K)."""
+    w4a8: bool = False
+    """Whether `entry` is the int4 kernel's: the activations' block scales after them, the weight's group scales
+    and minimums after it, and the group count after K."""
 
 
 FLOAT = PanelKernel("panel_linear", SOURCE, "kiln_panel_gemm", WRAPPER_SOURCE, "aoti_torch_cpu_kiln_panel_linear",
-                    "-mavx512f", takes_bias=True)
+                    ("-mavx512f",), takes_bias=True)
 INT8 = PanelKernel("panel_int8_linear", INT8_SOURCE, "kiln_panel_int8_gemm", INT8_WRAPPER_SOURCE,
-                   "aoti_torch_cpu_kiln_panel_int8_linear", "-mavx512vnni", takes_bias=False)
+                   "aoti_torch_cpu_kiln_panel_int8_linear", ("-mavx512vnni",), takes_bias=False)
 INT4 = PanelKernel("panel_int4_linear", INT4_SOURCE, "kiln_panel_int4_gemm", INT4_WRAPPER_SOURCE,
-                   "aoti_torch_cpu_kiln_panel_int4_linear", "-mavx512vnni", takes_bias=False, takes_scales=True)
+                   "aoti_torch_cpu_kiln_panel_int4_linear", ("-mavx2", "-mavx512f"), takes_bias=False, w4a8=True)
 
 
 def pack(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -115,26 +120,41 @@ def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
 
 
 def pack_int4(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """[N, K / 2] 4-bit codes as loaded (`kiln.kernels.quant.pack_nibbles`) -> the same shape holding,
-    per panel, each 8 K of its 16 channels in one 64-byte line: byte 4c + j holds channel c's K j in the
-    low nibble and K 4 + j in the high one (codes + 8, as loaded). Written into `out` (a contiguous
-    [N, K / 2] uint8 tensor) if given. N must be a multiple of PANEL and K of 8."""
+    """[N, K / 2] 4-bit codes as loaded (`kiln.kernels.quant.pack_nibbles`) -> the same shape holding, per
+    panel of INT4_PANEL channels, each 8 K of them in one 32-byte line: byte 4c + j holds channel c's K j in
+    the low nibble and K 4 + j in the high one. Written into `out` (a contiguous [N, K / 2] uint8 tensor) if
+    given. N must be a multiple of INT4_PANEL and K of 8."""
     n, half = w.shape
     lo, hi = (w & 0x0F), (w >> 4)
-    codes = torch.stack((lo, hi), dim=-1).view(n // PANEL, PANEL, half // 4, 2, 4)  # [P, c, line, h, j]
+    codes = torch.stack((lo, hi), dim=-1).view(n // INT4_PANEL, INT4_PANEL, half // 4, 2, 4)  # [P, c, line, h, j]
     lines = codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)  # [P, c, line, j]
     out = torch.empty((n, half), dtype=torch.uint8) if out is None else out
-    out.view(n // PANEL, half // 4, PANEL, 4).copy_(lines.transpose(1, 2))
+    out.view(n // INT4_PANEL, half // 4, INT4_PANEL, 4).copy_(lines.transpose(1, 2))
     return out
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """The codes `pack_int4` was given."""
     n, half = packed.shape
-    lines = packed.view(n // PANEL, half // 4, PANEL, 4).transpose(1, 2)  # [P, c, line, j]
+    lines = packed.view(n // INT4_PANEL, half // 4, INT4_PANEL, 4).transpose(1, 2)  # [P, c, line, j]
     codes = torch.stack((lines & 0x0F, lines >> 4), dim=3)  # [P, c, line, h, j]
     codes = codes.reshape(n, half * 2)
     return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def pack_int4_groups(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """An int4 weight's scales or minimums [N, groups] (fp16) -> the same shape holding each panel's
+    [groups, INT4_PANEL] in order, which the kernel reads beside the panel's codes."""
+    n, groups = t.shape
+    out = torch.empty_like(t) if out is None else out
+    out.view(n // INT4_PANEL, groups, INT4_PANEL).copy_(t.reshape(n // INT4_PANEL, INT4_PANEL, groups).transpose(1, 2))
+    return out
+
+
+def unpack_int4_groups(packed: torch.Tensor) -> torch.Tensor:
+    """The scales or minimums `pack_int4_groups` was given."""
+    n, groups = packed.shape
+    return packed.view(n // INT4_PANEL, groups, INT4_PANEL).transpose(1, 2).reshape(n, groups)
 
 
 @torch.library.custom_op("kiln::panel_linear", mutates_args=())
@@ -164,20 +184,19 @@ def _(a, weight):
 
 
 @torch.library.custom_op("kiln::panel_int4_linear", mutates_args=())
-def panel_int4_linear(a: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """a [M, K] int8 @ W.T by groups, each group's sums times its scale, as fp32 (`kiln::int4_scaled_mm`
-    before the activation's scale), `weight` holding W's 4-bit codes packed by `pack_int4` and `scales`
-    its [N, groups] fp32 scales packed by `pack` (each panel's [groups, 16], which the kernel reads in
-    order beside the panel's codes). This function is the reference (it unpacks both); a compiled piece
-    runs the kernel (`INT4_SOURCE`)."""
-    from kiln.kernels.quant import int4_scaled_mm
+def panel_int4_linear(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                      mins: torch.Tensor) -> torch.Tensor:
+    """`kiln::int4_block_mm` in fp32 without a bias, `weight` holding the 4-bit codes packed by `pack_int4` and
+    `scales` and `mins` the groups' [N, groups] fp16 packed by `pack_int4_groups`. This function is the
+    reference (it unpacks them); a compiled piece runs the kernel (`INT4_SOURCE`)."""
+    from kiln.kernels.quant import int4_block_mm
 
-    ones = a.new_ones((a.shape[0], 1), dtype=torch.float32)
-    return int4_scaled_mm(a, unpack_int4(weight), ones, unpack(scales), torch.float32)
+    return int4_block_mm(a, a_scale, unpack_int4(weight), unpack_int4_groups(scales), unpack_int4_groups(mins),
+                         torch.float32)
 
 
 @panel_int4_linear.register_fake
-def _(a, weight, scales):
+def _(a, a_scale, weight, scales, mins):
     return a.new_empty((a.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
@@ -191,15 +210,16 @@ def available(shape: tuple[int, int], dtype: torch.dtype, groups: int = 0) -> st
     n, k = shape
     if dtype not in (torch.float32, torch.int8, torch.uint8):
         return "fp32, int8 and int4 weights only"
-    if n % PANEL:
-        return f"{n} output channels are not a multiple of {PANEL}"
     kernel = {torch.float32: FLOAT, torch.int8: INT8, torch.uint8: INT4}[dtype]
-    if kernel is INT4 and (groups <= 0 or (2 * k) % groups or (2 * k // groups) % 8):
-        return f"groups of {2 * k} / {groups} input channels are not a multiple of 8"
+    panel = INT4_PANEL if kernel is INT4 else PANEL
+    if n % panel:
+        return f"{n} output channels are not a multiple of {panel}"
+    if kernel is INT4 and (groups <= 0 or (2 * k) % groups or (2 * k // groups) % INT4_BLOCK):
+        return f"groups of {2 * k} / {groups} input channels are not a multiple of {INT4_BLOCK}"
     if kernel is INT8 and (k % 4 or k > INT8_MAX_K):
         return f"{k} input channels are not a multiple of 4 up to {INT8_MAX_K}"
-    if kernel.isa not in _arch_flags():
-        return f"the compile targets no {kernel.isa.removeprefix('-m')}"
+    if not set(kernel.isa) & set(_arch_flags()):
+        return f"the compile targets no {' or '.join(f.removeprefix('-m') for f in kernel.isa)}"
     if timing_kernel(kernel) is None:
         return "no C++ compiler to build it for timing"
     return None
@@ -239,22 +259,30 @@ def timing_kernel(kernel: PanelKernel = FLOAT) -> Callable[..., torch.Tensor] | 
         return None
     finally:
         shutil.rmtree(build, ignore_errors=True)  # the loaded library stays mapped
-    extra = kernel.takes_bias or kernel.takes_scales
-    gemm.argtypes = [ctypes.c_void_p] * (4 if extra else 3) + [ctypes.c_int64] * (4 if kernel.takes_scales else 3)
+    if kernel.w4a8:
+        gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4
+        return functools.partial(_run_w4a8, gemm)
+    gemm.argtypes = [ctypes.c_void_p] * (4 if kernel.takes_bias else 3) + [ctypes.c_int64] * 3
 
     def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W.T; `bias` is the bias, or for a kernel that takes scales its packed scales (fp32)."""
-        if bias is not None and not extra:
+        """x @ W.T (+ bias)."""
+        if bias is not None and not kernel.takes_bias:
             raise ValueError(f"kiln::{kernel.op} takes no bias")
         x = x.contiguous()
         out = x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
-        if kernel.takes_scales:
-            scales = bias.float().contiguous()
-            gemm(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(), x.shape[0], weight.shape[0],
-                 x.shape[1], scales.shape[1])
-            return out
         bias_pointer = [bias.data_ptr() if bias is not None else None] if kernel.takes_bias else []
         gemm(x.data_ptr(), weight.data_ptr(), *bias_pointer, out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1])
         return out
 
     return run
+
+
+def _run_w4a8(gemm, a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+              mins: torch.Tensor) -> torch.Tensor:
+    """The int4 kernel on `kiln::panel_int4_linear`'s arguments."""
+    a, a_scale = a.contiguous(), a_scale.float().contiguous()
+    scales, mins = (t.to(torch.float16).contiguous() for t in (scales, mins))
+    out = a.new_empty((a.shape[0], weight.shape[0]), dtype=torch.float32)
+    gemm(a.data_ptr(), a_scale.data_ptr(), weight.data_ptr(), scales.data_ptr(), mins.data_ptr(), out.data_ptr(),
+         a.shape[0], weight.shape[0], a.shape[1], scales.shape[1])
+    return out

@@ -1,13 +1,15 @@
 """Quantization ops: quantize activations (int8 or fp8), multiply with quantized weights (W8A8, and
-W4A8: 4-bit weight codes with a scale per group of input channels).
+W4A8: 4-bit weight codes with a scale and a minimum per group of input channels).
 
-Scales are symmetric and fp32. Activation scales are per token ([T, 1], "dynamic") or one for the
-tensor ([1, 1], "static"); 8-bit weight scales are per output channel ([N]), 4-bit ones per output
-channel and group ([N, K / group]). Kept as separate ops so the fusion passes can fold a quantization
-into the RMSNorm or SiLU*Mul before it.
+8-bit scales are symmetric and fp32. Activation scales are per token ([T, 1], "dynamic") or one for the
+tensor ([1, 1], "static"), or for W4A8 per token and block of 32 input channels ([T, K / 32]); 8-bit
+weight scales are per output channel ([N]). 4-bit weights are asymmetric: a code 0..15 stands for
+scale x code + minimum, a scale and a minimum (fp16) per output channel and group ([N, K / group]). Kept
+as separate ops so the fusion passes can fold a quantization into the RMSNorm or SiLU*Mul before it.
 
-4-bit codes are stored two to a byte along K ([N, K / 2] uint8), code + 8 in [0, 15], the even K in
-the low nibble: compressed-tensors' `pack-quantized` int32 words read as bytes on a little-endian CPU.
+4-bit codes are stored two to a byte along K ([N, K / 2] uint8), the even K in the low nibble:
+compressed-tensors' `pack-quantized` int32 words read as bytes on a little-endian CPU (their symmetric
+codes c stored as c + 8 are codes 0..15 with the minimum -8 x scale).
 """
 
 import torch
@@ -118,74 +120,109 @@ def quantize_weight(w: torch.Tensor, dtype: torch.dtype,
     return out, s
 
 
-INT4_MAX = 7.0
-"""The largest 4-bit weight code kiln quantizes to: symmetric codes in [-7, 7] (stored codes take -8 too)."""
-INT4_GROUPS = (128, 64, 32)
-"""Group sizes `quantize_weight_int4` picks from, the largest that divides a row: 128 is what GPTQ/AWQ-style
-compressed-tensors exports use."""
+INT4_BLOCK = 32
+"""Input channels an int4 projection's activation scale covers (`quant_int8_blocked`), and the smallest weight
+group: a scale per 32 activations loses a third of what one per token loses (docs/models.md)."""
+INT4_GROUP = 32
+"""The group `quantize_weight_int4` is given by `--quantization int4`: a scale and a minimum per 32 weights."""
+INT4_LEVELS = 15.0
+"""The largest 4-bit code: codes 0..15 stand for scale x code + minimum."""
 
 
-def int4_group_size(k: int) -> int | None:
-    """The group size a row of `k` input channels is quantized with, or None if none divides it."""
-    return next((g for g in INT4_GROUPS if k % g == 0), None)
+def _quant_blocked_native(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    rows, k = x2.shape
+    xb = x2.view(rows, k // block, block)
+    s = (xb.abs().amax(dim=-1) / INT8_MAX).clamp(min=_MIN_SCALE)
+    q = torch.div(xb, s[..., None]).round().clamp(-INT8_MAX, INT8_MAX)
+    return q.view(rows, k).to(torch.int8), s
+
+
+@torch.library.custom_op("kiln::quant_int8_blocked", mutates_args=())
+def quant_int8_blocked(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (int8 [T, K], fp32 scales [T, K / block]): symmetric, a scale per token and block of
+    `block` input channels (K a multiple of it)."""
+    return _quant_blocked_native(x, block)
+
+
+@quant_int8_blocked.register_fake
+def _(x, block):
+    rows = x.numel() // x.shape[-1]
+    return (x.new_empty((rows, x.shape[-1]), dtype=torch.int8),
+            x.new_empty((rows, x.shape[-1] // block), dtype=torch.float32))
+
+
+def quant_int8_blocked_native(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kiln::quant_int8_blocked`'s aten form, which Inductor fuses into the loop before it."""
+    return _quant_blocked_native(x, block)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """int8 codes [N, K] in [-8, 7] -> [N, K / 2] uint8, code + 8, even K in the low nibble."""
-    u = (codes.to(torch.int16) + 8).to(torch.uint8)
+    """Codes [N, K] in 0..15 -> [N, K / 2] uint8, the even K in the low nibble."""
+    u = codes.to(torch.uint8)
     return u[:, 0::2] | (u[:, 1::2] << 4)
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """The int8 codes [N, K] `pack_nibbles` was given."""
-    lo, hi = packed & 0x0F, packed >> 4
-    return torch.stack((lo, hi), dim=-1).reshape(packed.shape[0], -1).to(torch.int8) - 8
+    """The codes [N, K] (uint8, 0..15) `pack_nibbles` was given."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
 
 
-def quantize_weight_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight [N, K] -> (4-bit codes [N, K / 2] uint8 as `pack_nibbles` stores them, fp32 scales
-    [N, K / group]): symmetric, codes in [-7, 7], one scale per output channel and group of `group`
-    input channels (round to nearest), a block of rows at a time like `quantize_weight`."""
+def quantize_weight_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A weight [N, K] -> (4-bit codes [N, K / 2] uint8 as `pack_nibbles` stores them, scales and minimums
+    [N, K / group] fp16): asymmetric, each group of `group` input channels of a row spans its own min..max in
+    16 levels (w ~ scale x code + min, round to nearest), as llama.cpp's Q4_1. The scale and minimum are
+    rounded to fp16 before the codes are chosen, so the codes fit the values stored. A block of rows at a
+    time like `quantize_weight`."""
     n, k = w.shape
     if k % group:
         raise ValueError(f"{k} input channels are not a multiple of the group size {group}")
     out = torch.empty((n, k // 2), dtype=torch.uint8, device=w.device)
-    scales = torch.empty((n, k // group), dtype=torch.float32, device=w.device)
+    scales = torch.empty((n, k // group), dtype=torch.float16, device=w.device)
+    mins = torch.empty((n, k // group), dtype=torch.float16, device=w.device)
     rows = max(1, (1 << 19) // max(1, k))
     for i in range(0, n, rows):
         g = w[i:i + rows].float().reshape(-1, k // group, group)
-        s = (torch.maximum(g.amax(dim=-1), g.amin(dim=-1).neg()) / INT4_MAX).clamp_(min=_MIN_SCALE)
-        q = torch.div(g, s[..., None]).round_().clamp_(-INT4_MAX, INT4_MAX)
-        out[i:i + rows] = pack_nibbles(q.reshape(-1, k).to(torch.int8))
-        scales[i:i + rows] = s
-    return out, scales
+        low = g.amin(dim=-1).half()
+        s = ((g.amax(dim=-1) - low.float()) / INT4_LEVELS).clamp_(min=_MIN_SCALE).half()
+        q = torch.div(g - low.float()[..., None], s.float()[..., None]).round_().clamp_(0, INT4_LEVELS)
+        out[i:i + rows] = pack_nibbles(q.reshape(-1, k))
+        scales[i:i + rows], mins[i:i + rows] = s, low
+    return out, scales, mins
 
 
-def dequantize_int4(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The fp32 weight [N, K] that 4-bit codes and their group scales stand for."""
+def dequantize_int4(weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight [N, K] that 4-bit codes and their group scales and minimums stand for."""
     codes = unpack_nibbles(weight).float()
     n, groups = scales.shape
-    return (codes.view(n, groups, -1) * scales.float()[..., None]).view(n, -1)
+    return (codes.view(n, groups, -1) * scales.float()[..., None] + mins.float()[..., None]).view(n, -1)
 
 
-@torch.library.custom_op("kiln::int4_scaled_mm", mutates_args=())
-def int4_scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
-                   out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """W4A8: (a * a_scale) @ W.T + bias for int8 a [M, K] and 4-bit weight codes b [N, K / 2]
-    (`pack_nibbles`) with group scales b_scale [N, groups]: each group's products summed exactly in
-    int32, times the group's scale, summed over the groups. The eager path: the stored codes + 8 go to
-    torch's int8 GEMM as they are (0..15 are int8 values), each group's sum losing 8 x its activation
-    sum, so no fp32 copy of the weight is made."""
+@torch.library.custom_op("kiln::int4_block_mm", mutates_args=())
+def int4_block_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                  b_min: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W4A8: (a * a_scale) @ W.T + bias for int8 a [M, K] with a scale per row and block of INT4_BLOCK
+    (a_scale [M, K / INT4_BLOCK]) and W [N, K] held as 4-bit codes b [N, K / 2] (`pack_nibbles`) standing for
+    b_scale x code + b_min, per output channel and group ([N, groups], groups of a multiple of INT4_BLOCK).
+    Each block's products are summed exactly in int32 (torch's int8 GEMM takes the codes 0..15 as they
+    are), times its scales, plus the group's minimum times the block's activation sum; no fp32 copy of the
+    weight is made."""
     n, groups = b_scale.shape
-    shifted = torch.stack((b & 0x0F, b >> 4), dim=-1).view(n, -1).view(torch.int8)  # codes + 8
-    size = shifted.shape[1] // groups
+    codes = torch.stack((b & 0x0F, b >> 4), dim=-1).view(n, -1).view(torch.int8)
+    k = codes.shape[1]
+    blocks, per_group = k // INT4_BLOCK, k // groups // INT4_BLOCK
+    scales, mins = b_scale.float(), b_min.float()
     out = a.new_zeros((a.shape[0], n), dtype=torch.float32)
-    for g in range(groups):
-        part = slice(g * size, (g + 1) * size)
+    for blk in range(blocks):
+        part, g = slice(blk * INT4_BLOCK, (blk + 1) * INT4_BLOCK), blk // per_group
         rows = a[:, part].contiguous()
-        sums = torch._int_mm(rows, shifted[:, part].t()) - 8 * rows.sum(-1, keepdim=True, dtype=torch.int32)
-        out += sums.float() * b_scale[:, g].float()
-    return _biased(out * a_scale.float(), bias, out_dtype)
+        dots = torch._int_mm(rows, codes[:, part].t()).float()
+        sums = rows.sum(-1, keepdim=True, dtype=torch.int32).float()
+        out += (dots * scales[:, g] + sums * mins[:, g]) * a_scale[:, blk:blk + 1].float()
+    return _biased(out, bias, out_dtype)
 
 
-int4_scaled_mm.register_fake(_scaled_mm_fake)
+@int4_block_mm.register_fake
+def _(a, a_scale, b, b_scale, b_min, out_dtype, bias=None):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+

@@ -11,6 +11,7 @@ Anything else is refused with its reason rather than run approximately.
 from dataclasses import dataclass
 
 from kiln.errors import KilnError
+from kiln.kernels.quant import INT4_BLOCK
 
 FORMATS = ("int-quantized", "float-quantized", "naive-quantized", "pack-quantized")
 SCHEME_OF_TYPE = {"int": "int8", "float": "fp8"}
@@ -102,6 +103,7 @@ def _int4(qc: dict, group: dict) -> CheckpointQuantization:
     if weights.get("actorder"):
         raise _fail(f"actorder {weights.get('actorder')!r} (group indices, weight_g_idx)")
     size = weights.get("group_size")
-    if not isinstance(size, int) or size <= 0 or size % 8:
-        raise _fail(f"group_size {size!r} (kiln needs a multiple of 8)")
+    if not isinstance(size, int) or size <= 0 or size % INT4_BLOCK:
+        raise _fail(f"group_size {size!r} (kiln needs a multiple of {INT4_BLOCK}: its activations take a scale per "
+                    f"{INT4_BLOCK})")
     return CheckpointQuantization(scheme="int4", static_input=False, weight_per_tensor=False, group_size=size)

@@ -2,9 +2,9 @@
 checkpoint loads into.
 
 `quantize_model` swaps every decoder projection (qkv, o, gate_up, down) for a `QuantLinear` holding
-the weight in int8 or fp8 with one scale per output channel, or for "int4" an `Int4Linear` holding
-4-bit codes with a scale per output channel and group of input channels (W4A8); activations are
-quantized to int8 per token at run time. "w7a8" is int8 with weight codes in [-63, 63]: on x86 CPUs without VNNI, fbgemm's int8
+the weight in int8 or fp8 with one scale per output channel (activations quantized per token at run
+time), or for "int4" an `Int4Linear` holding 4-bit codes with a scale and a minimum per output channel
+and group of 32 input channels (W4A8: activations quantized per token and block of 32). "w7a8" is int8 with weight codes in [-63, 63]: on x86 CPUs without VNNI, fbgemm's int8
 GEMM is exact on those without splitting the activations (`kiln.kernels.packed_linear`), about twice
 as fast as exact W8A8 there, for a little more weight error. `quantized_layout` gives a model the
 same layers, empty, for a compressed-tensors checkpoint; with static activations each layer also
@@ -19,7 +19,7 @@ from torch import nn
 
 from kiln.errors import KilnError
 from kiln.kernels import packed_linear, quantize_weight
-from kiln.kernels.quant import int4_group_size, quantize_weight_int4
+from kiln.kernels.quant import INT4_BLOCK, INT4_GROUP, quantize_weight_int4
 
 ops = torch.ops.kiln
 
@@ -79,24 +79,27 @@ class QuantLinear(nn.Module):
 
 class Int4Linear(nn.Module):
     """y = quant(x) @ W.T + bias, in the dtype of x, W held as 4-bit codes: `weight` [N, K / 2] uint8
-    (two codes a byte, `kiln.kernels.quant.pack_nibbles`), `weight_scale` [N, K / group] fp32. The
-    activations are quantized to int8 per token (W4A8), also for a W4A16 checkpoint."""
+    (two codes a byte, `kiln.kernels.quant.pack_nibbles`) standing for `weight_scale` x code + `weight_min`,
+    both [N, K / group] fp16. The activations are quantized to int8 per token and block of 32 (W4A8), also
+    for a W4A16 checkpoint (its symmetric codes have the minimum -8 x scale)."""
 
-    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, weight_min: torch.Tensor,
+                 bias: torch.Tensor | None):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
+        self.weight_min = nn.Parameter(weight_min, requires_grad=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "Int4Linear":
         weight = linear.weight.detach()
-        codes, scales = quantize_weight_int4(weight, int4_group(weight.shape[1]))
-        return cls(codes, scales, linear.bias.detach() if linear.bias is not None else None)
+        codes, scales, mins = quantize_weight_int4(weight, int4_group(weight.shape[1]))
+        return cls(codes, scales, mins, linear.bias.detach() if linear.bias is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, s = ops.quant_int8(x, None)
-        return ops.int4_scaled_mm(q, self.weight, s, self.weight_scale, x.dtype, self.bias)
+        q, s = ops.quant_int8_blocked(x, INT4_BLOCK)
+        return ops.int4_block_mm(q, s, self.weight, self.weight_scale, self.weight_min, x.dtype, self.bias)
 
 
 def quantized_linear(linear: nn.Linear, scheme: str) -> nn.Module:
@@ -113,11 +116,10 @@ def check_int4_placement(scheme: str | None, device: torch.device) -> None:
 
 def int4_group(k: int) -> int:
     """The group size `--quantization int4` quantizes a projection of `k` input channels with."""
-    group = int4_group_size(k)
-    if group is None:
-        raise KilnError(f"--quantization int4 needs each projection's input channels in groups of 32, 64 or 128; "
+    if k % INT4_GROUP:
+        raise KilnError(f"--quantization int4 needs each projection's input channels in groups of {INT4_GROUP}; "
                         f"one has {k}: use --quantization int8")
-    return group
+    return INT4_GROUP
 
 
 def _swap_projections(model: nn.Module, make) -> None:
@@ -161,8 +163,8 @@ def quantized_layout(model: nn.Module, scheme: str, static_input: bool, group_si
                              if ranks > 1 else ("a projection", "the weights do not match the config"))
                 raise KilnError(f"{what}, {k} input channels, does not split into the checkpoint's groups of "
                                 f"{group}: {fix}")
-            return Int4Linear(torch.empty((n, k // 2), dtype=torch.uint8, device=w.device),
-                              torch.empty((n, k // group), dtype=torch.float32, device=w.device), bias)
+            groups = (torch.empty((n, k // group), dtype=torch.float16, device=w.device) for _ in range(2))
+            return Int4Linear(torch.empty((n, k // 2), dtype=torch.uint8, device=w.device), *groups, bias)
         input_scale = torch.empty(1, dtype=torch.float32, device=w.device) if static_input else None
         return QuantLinear(torch.empty(w.shape, dtype=dtype, device=w.device),
                            torch.empty(w.shape[0], dtype=torch.float32, device=w.device), bias, input_scale)

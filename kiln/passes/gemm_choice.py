@@ -11,7 +11,8 @@ SMALL_BATCH and DECODE_BATCH tokens for that; ranges whose decisions agree share
 candidate must first give the baseline's numbers (an int8 kernel that saturates on this CPU is never
 chosen); of those faster than the baseline at every count measured, the fastest in total wins. fp8
 weights are always widened and packed once (torch's form widens them on every call), and int4 weights
-always run on kiln's W4A8 panel GEMM where it runs (torch's form dequantizes them on every call); projections
+always run on kiln's W4A8 panel GEMM where it runs (AVX2 or AVX-512; torch's form dequantizes them on
+every call); projections
 too small to time apart keep torch's GEMM. A later range keeps an earlier range's packed format where
 that still beats torch's GEMM, so a weight is packed once where it can be; where the earlier format
 loses there (kiln's int8 panel GEMM on prefill chunks), the weight is held in both forms, or both
@@ -31,6 +32,7 @@ from torch._guards import detect_fake_mode
 
 from kiln.kernels import gemms
 from kiln.kernels.gemms import INT8_KINDS, GemmCandidate, Projection
+from kiln.kernels.quant import INT4_BLOCK
 
 logger = logging.getLogger(__name__)
 
@@ -127,12 +129,12 @@ class GemmChooser:
             if candidate is gemms.ATEN and sig.kind in ("float", "fp8"):  # what the graph calls already
                 continue
             for node, weight in nodes:
-                scales = node.args[3] if choice.kernel in gemms.SCALE_FORMATS else None
+                grouped = _int4_args(node)[3:5] if choice.kernel in gemms.SCALE_FORMATS else ()
                 _rewrite(graph, node, weight, candidate)
                 if candidate.packed:
                     formats[weight.target] = choice.kernel
-                if scales is not None:
-                    formats[scales.target] = gemms.SCALE_FORMATS[choice.kernel]
+                for tensor in grouped:  # the int4 weight's group scales and minimums
+                    formats[tensor.target] = gemms.SCALE_FORMATS[choice.kernel]
         return choices, formats
 
     def choose(self, sig: Projection, tokens: tuple[int, ...]) -> GemmChoice:
@@ -196,13 +198,12 @@ def _site(node: fx.Node, int8_kind: str = "int8") -> tuple[Projection, fx.Node] 
     weights are of `int8_kind`."""
     if node.op != "call_function":
         return None
-    if node.target is ops.int4_scaled_mm.default:
-        weight, scales = node.args[1], node.args[3]
-        if not (_is_cpu_input(weight) and _is_cpu_input(scales) and len(scales.users) == 1):
-            return None  # (the panel GEMM packs the scales too: they must be an input only this reads)
+    if node.target is ops.int4_block_mm.default:
+        _, _, weight, scales, mins, out_dtype, bias = _int4_args(node)
+        if not (_is_cpu_input(weight) and all(_is_cpu_input(t) and len(t.users) == 1 for t in (scales, mins))):
+            return None  # (the panel GEMM packs the scales and minimums too: they must be inputs only this reads)
         val = weight.meta["val"]
-        bias = len(node.args) > 5 and node.args[5] is not None or node.kwargs.get("bias") is not None
-        return Projection("int4", tuple(val.shape), val.dtype, bias, node.args[4],
+        return Projection("int4", tuple(val.shape), val.dtype, bias is not None, out_dtype,
                           groups=scales.meta["val"].shape[1]), weight
     if node.target is ops.scaled_mm.default:
         weight = node.args[1]
@@ -245,7 +246,8 @@ def _transposed_weight(node) -> fx.Node | None:
 def _only_read_by_gemms(weight: fx.Node) -> bool:
     """A packed weight is opaque: every reader must be a projection this pass rewrites."""
     for user in weight.users:
-        if user.target in (ops.scaled_mm.default, ops.int4_scaled_mm.default) and user.args[1] is weight:
+        if user.target is ops.scaled_mm.default and user.args[1] is weight or \
+                user.target is ops.int4_block_mm.default and user.args[2] is weight:
             continue
         if _transposed_weight(user) is weight and all(_site(u) is not None for u in user.users):
             continue
@@ -270,16 +272,17 @@ def _rewrite(graph: fx.Graph, node: fx.Node, weight: fx.Node, candidate: GemmCan
         return _insert(graph, target, args, kwargs)
 
     with graph.inserting_before(node):
-        if node.target is ops.int4_scaled_mm.default:
-            a, _, a_scale, scales, out_dtype, bias = _scaled_mm_args(node)
-            out = _epilogue(graph, candidate.emit(insert, a, weight, scales), a_scale, None, bias, out_dtype)
+        if node.target is ops.int4_block_mm.default:
+            a, a_scale, _, scales, mins, out_dtype, bias = _int4_args(node)
+            out = _epilogue(graph, candidate.emit(insert, a, weight, (a_scale, scales, mins)), None, None, bias,
+                            out_dtype)
         elif node.target is ops.scaled_mm.default:
             a, _, a_scale, b_scale, out_dtype, bias = _scaled_mm_args(node)
             out = _epilogue(graph, candidate.emit(insert, a, weight, None), a_scale, b_scale, bias, out_dtype)
         else:
             x, bias = (node.args[0], None) if node.target is aten.mm.default else (node.args[1], node.args[0])
             out = candidate.emit(insert, x, weight, bias)
-    transposed = None if node.target in (ops.scaled_mm.default, ops.int4_scaled_mm.default) else \
+    transposed = None if node.target in (ops.scaled_mm.default, ops.int4_block_mm.default) else \
         node.args[1] if node.target is aten.mm.default else node.args[2]
     node.replace_all_uses_with(out)
     graph.erase_node(node)
@@ -293,12 +296,19 @@ def _scaled_mm_args(node: fx.Node) -> tuple:
     return tuple(values.get(n) for n in names)
 
 
-def _epilogue(graph: fx.Graph, out: fx.Node, a_scale: fx.Node, b_scale: fx.Node | None, bias,
+def _int4_args(node: fx.Node) -> tuple:
+    names = ("a", "a_scale", "b", "b_scale", "b_min", "out_dtype", "bias")
+    values = dict(zip(names, node.args)) | dict(node.kwargs)
+    return tuple(values.get(n) for n in names)
+
+
+def _epilogue(graph: fx.Graph, out: fx.Node, a_scale: fx.Node | None, b_scale: fx.Node | None, bias,
               out_dtype: torch.dtype) -> fx.Node:
-    """fp32 product -> * the activation's scale, * the weight's per channel (int4: None, applied by
-    group already), + bias, in the output dtype (`scaled_mm`'s own order, so its numbers): aten ops
-    Inductor fuses into the projection's reader."""
-    out = _insert(graph, aten.mul.Tensor, (out, a_scale))
+    """fp32 product -> * the activation's scale, * the weight's per channel (int4: neither, both applied
+    by block and group already), + bias, in the output dtype (`scaled_mm`'s own order, so its numbers): aten
+    ops Inductor fuses into the projection's reader."""
+    if a_scale is not None:
+        out = _insert(graph, aten.mul.Tensor, (out, a_scale))
     if b_scale is not None:
         out = _insert(graph, aten.mul.Tensor, (out, b_scale))
     if bias is not None:
@@ -338,7 +348,10 @@ def _measure(sig: Projection, tokens: tuple[int, ...], timer: Timer,
     copies = max(1, min(MAX_COPIES, math.ceil(STREAM_BYTES / (n * k * sig.dtype.itemsize))))
     first = _random_weight(sig, generator)
     plain = [first] + [first.clone() for _ in range(copies - 1)]  # copies stream as distinct weights would
-    scale = torch.rand(n, *([sig.groups] if sig.kind == "int4" else []), generator=generator) * 0.01 + 1e-3
+    scale = torch.rand(n, generator=generator) * 0.01 + 1e-3
+    if sig.kind == "int4":  # the group scales and minimums, fp16 as stored
+        scale = ((torch.rand(n, sig.groups, generator=generator) * 0.01 + 1e-3).half(),
+                 (torch.rand(n, sig.groups, generator=generator) * -0.05).half())
     bias = torch.randn(n, generator=generator).to(sig.act_dtype) if sig.bias else None
     rejected: dict[str, str] = {}
     runs = {aten_id: _runner(sig, gemms.ATEN, plain, scale, bias)}
@@ -387,7 +400,8 @@ def _random_input(sig: Projection, tokens: int, generator: torch.Generator) -> l
     codes = torch.randint(-127, 128, (tokens, k), generator=generator, dtype=torch.int8)
     if sig.kind == "fp8":
         codes = (torch.randn(tokens, k, generator=generator) * 50).to(torch.float8_e4m3fn)
-    return [codes, torch.rand(tokens, 1, generator=generator) * 0.01 + 1e-4]
+    blocks = k // INT4_BLOCK if sig.kind == "int4" else 1  # int4's activations: a scale per block
+    return [codes, torch.rand(tokens, blocks, generator=generator) * 0.01 + 1e-4]
 
 
 def _runner(sig: Projection, candidate: GemmCandidate, weights: list[torch.Tensor], scale: torch.Tensor,

@@ -19,7 +19,7 @@ from kiln.kernels.fused_quant import (fused_add_rms_norm_quant_native, rms_norm_
                                      silu_and_mul_quant_native)
 from kiln.kernels.kv_cache import kv_cache_write_scatter
 from kiln.kernels.norm import fused_add_rms_norm_native, rms_norm_native
-from kiln.kernels.quant import quant_native
+from kiln.kernels.quant import quant_int8_blocked_native, quant_native
 from kiln.kernels.rotary import rotary_embedding_native
 from kiln.passes.base import Pattern, PatternPass, SizeRange
 from kiln.passes.gemm_choice import GemmChoice, GemmChooser
@@ -84,6 +84,15 @@ def _lower_cache_writes(graph: fx.Graph) -> int:
              and n.args[2].meta["val"].device.type == "cpu"]
     for node in nodes:
         _inline_native(graph, node, kv_cache_write_scatter)
+    return len(nodes)
+
+
+def _lower_blocked_quant(graph: fx.Graph) -> int:
+    """Each `kiln::quant_int8_blocked` (int4's activations) => its native form, which Inductor fuses into the
+    loop that makes its input (the RMSNorm or SiLU*Mul before it)."""
+    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target is ops.quant_int8_blocked.default]
+    for node in nodes:
+        _inline_native(graph, node, quant_int8_blocked_native)
     return len(nodes)
 
 
@@ -163,4 +172,4 @@ class Lowering(PatternPass):
         _gather_then_norm(graph)  # counted below, as the norm it exposes
         self.gemm_choices, self.weight_formats = ([], {}) if self.gemms is None else self.gemms(graph, self.size_range)
         self.choices = choose_kernels(graph, measured_tokens(self.size_range)) if self.choose else []
-        return _lower_rotary(graph) + _lower_cache_writes(graph) + super().__call__(graph)
+        return _lower_rotary(graph) + _lower_cache_writes(graph) + _lower_blocked_quant(graph) + super().__call__(graph)

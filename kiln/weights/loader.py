@@ -35,8 +35,8 @@ PROJECTION_WEIGHTS = tuple(f".{p}.weight" for p in ("q_proj", "k_proj", "v_proj"
 def checkpoint_bytes(model_dir: Path, dtype: torch.dtype, quantize: str | None = None) -> int:
     """Bytes the checkpoint's tensors take once loaded to run in `dtype` (floating-point tensors are
     cast to it; quantized weights stay as stored; with the `quantize` scheme, projections take a byte
-    a weight and a scale a row, or for int4 half a byte and a scale a group), read from the files'
-    headers alone."""
+    a weight and a scale a row, or for int4 half a byte and an fp16 scale and minimum a group), read from
+    the files' headers alone."""
     total = 0
     for path in checkpoint_files(model_dir):
         with SafetensorsFile(path) as f:
@@ -147,7 +147,9 @@ def _load_tensor(f: SafetensorsFile, name: str, model: CausalLM, params: dict, t
     scale = params.get(pname.removesuffix(".weight") + ".weight_scale") if pname.endswith(".weight") else None
     scheme = getattr(model, "quantize_on_load", None)
     if scheme is not None and scale is not None and f.dtype(name) != param.dtype:
-        _quantize_into(_read(f, name, shard, rows, f.path), scheme, model, param, scale, offset, rows, name, f.path)
+        low = params.get(pname.removesuffix(".weight") + ".weight_min")
+        _quantize_into(_read(f, name, shard, rows, f.path), scheme, model, param, scale, low, offset, rows, name,
+                       f.path)
         return []
     if (shard is None and f.dtype(name) == param.dtype and dest.device.type == "cpu"
             and dest.is_contiguous() and f.shape(name) == list(dest.shape) and param.dim() > 1):
@@ -161,13 +163,15 @@ def _load_tensor(f: SafetensorsFile, name: str, model: CausalLM, params: dict, t
 
 
 def _quantize_into(tensor: torch.Tensor, scheme: str, model: CausalLM, weight: torch.Tensor, scale: torch.Tensor,
-                   offset: int, rows: int, name: str, path: Path) -> None:
-    """Quantize one full-precision checkpoint slice into its rows of a projection's codes and scales, as
-    `quantize_model` would the whole loaded projection (per row, from the model dtype's values)."""
+                   low: torch.Tensor | None, offset: int, rows: int, name: str, path: Path) -> None:
+    """Quantize one full-precision checkpoint slice into its rows of a projection's codes and scales (and
+    int4's minimums, `low`), as `quantize_model` would the whole loaded projection (per row, from the model
+    dtype's values)."""
     _check_shape(name, tensor, (rows, weight.shape[1] * (2 if scheme == "int4" else 1)), path)
     tensor = tensor.to(model.model.embed_tokens.weight.dtype)
     if scheme == "int4":
-        codes, scales = quantize_weight_int4(tensor, tensor.shape[1] // scale.shape[1])
+        codes, scales, mins = quantize_weight_int4(tensor, tensor.shape[1] // scale.shape[1])
+        low.data[offset:offset + rows].copy_(mins)
     else:
         codes, scales = quantize_weight(tensor, weight.dtype, SCHEMES[scheme].weight_max)
     weight.data[offset:offset + rows].copy_(codes)
@@ -198,6 +202,8 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> str:
     params = dict(model.named_parameters())
     targets = {name: (pname, offset, rows)
                for pname, p in params.items() for name, offset, rows in _sources(model, pname, p)}
+    # int4's minimums are never in a file: quantizing gives them, or a symmetric checkpoint's scales (below)
+    targets = {name: target for name, target in targets.items() if not target[0].endswith(".weight_min")}
     if getattr(model, "quantize_on_load", None) is not None:  # the scales come from quantizing, not the file
         targets = {name: target for name, target in targets.items() if not target[0].endswith(".weight_scale")}
     if _packs_int4(model):  # a pack-quantized checkpoint names the codes weight_packed
@@ -232,5 +238,9 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> str:
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise KilnError(f"checkpoint in {model_dir} is missing tensor {missing[0]!r}{more}")
+    if _packs_int4(model):  # symmetric codes c stored as c + 8: the minimum is -8 x scale
+        for pname, p in params.items():
+            if pname.endswith(".weight_min"):
+                p.data.copy_(params[pname.removesuffix("_min") + "_scale"].data * -8)
     logger.info("loaded %d tensors from %s in %.2fs", len(loaded), model_dir, time.perf_counter() - start)
     return content.hexdigest()

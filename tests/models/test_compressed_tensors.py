@@ -110,7 +110,8 @@ def _assert_matches(llm: LLM, reference) -> None:
 @pytest.mark.parametrize("arch, group", [("llama", 128), ("qwen2", 32)])  # qwen2: 288 wide
 def test_w4a16_checkpoint_matches_dequantized_reference(demo_dirs, tmp_path, arch, group):
     """llm-compressor's pack-quantized W4A16 layout loads into kiln's int4 layers as it is (codes and
-    scales exactly), and runs as W4A8: the reference quantizes the activations the same way."""
+    scales exactly, the minimum -8 x scale), and runs as W4A8: the reference quantizes the activations
+    the same way, in blocks of 32."""
     ckpt = write_compressed(demo_dirs[arch], tmp_path / "w4", "int4", group_size=group)
     reference = dequantized_reference(demo_dirs[arch], ckpt, "int4")
     llm = LLM(ckpt)
@@ -118,6 +119,7 @@ def test_w4a16_checkpoint_matches_dequantized_reference(demo_dirs, tmp_path, arc
     assert isinstance(down, Int4Linear) and down.weight.dtype == torch.uint8
     hidden, inter = llm.model_config.hidden_size, down.weight.shape[1] * 2
     assert tuple(down.weight.shape) == (hidden, inter // 2) and tuple(down.weight_scale.shape) == (hidden, inter // group)
+    assert torch.equal(down.weight_min, down.weight_scale * -8)  # symmetric codes c stored as c + 8
     _assert_matches(llm, reference)
 
 

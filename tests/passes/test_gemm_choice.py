@@ -65,8 +65,11 @@ def test_float_projections_move_to_packed_weights(quantized_llms, traced_graphs,
     graph = traced.graph.graph
     assert count_ops(graph, FLOAT_OPS[kernel]) == 4 * layers  # qkv, o, gate_up, down
     assert count_ops(graph, aten.mm) == count_ops(graph, aten.addmm) == 0
-    runs = len(gemms.for_kind("float")) + 1
-    assert sorted(timed) == [1] * runs * len(choices) + [16] * runs * len(choices)  # each signature once per count
+    # torch's GEMM and each candidate that runs on this CPU (panels16 needs AVX-512), each signature once per count
+    runs = sum(len(c.ms) for c in choices)
+    assert runs == len(choices) * (1 + sum(c.unavailable(gemms.Projection("float", (64, 8), torch.float32, False))
+                                           is None for c in gemms.for_kind("float")))
+    assert sorted(timed) == [1] * runs + [16] * runs
     assert all(c.kernel == kernel and c.kind == "float" and c.ms[kernel] == (0.5, 0.5) for c in choices)
     assert sum(c.calls for c in choices) == 4 * layers
     named = _weight_names(traced, formats)
@@ -132,29 +135,30 @@ def test_int8_without_the_packed_kernel_calls_int_mm_in_the_graph(quantized_llms
 @pytest.mark.parametrize("panels", [True, False])
 def test_int4_projections_run_on_the_panel_gemm_or_dequantize_in_the_graph(quantized_llms, traced_graphs,
                                                                          monkeypatch, panels):
-    """int4 is never timed: kiln's W4A8 panel GEMM where it runs (AVX-512 VNNI), else the weight
-    dequantized in the graph for torch's float GEMM (any CPU); both give `int4_scaled_mm`'s numbers."""
+    """int4 is never timed: kiln's W4A8 panel GEMM where it runs (AVX2 or AVX-512), else the weight and
+    activations dequantized in the graph for torch's float GEMM (any CPU); both give `int4_block_mm`'s numbers."""
     llm, traced = quantized_llms["int4"], fresh(traced_graphs["int4"])
     layers = llm.model_config.num_layers
     probe = gemms.Projection("int4", (64, 64), torch.uint8, False, groups=1)
-    if panels and (why := gemms.PANELS16_INT4.unavailable(probe)) is not None:
-        pytest.skip(f"panels16_int4: {why}: never chosen here")
+    if panels and (why := gemms.PANELS8_INT4.unavailable(probe)) is not None:
+        pytest.skip(f"panels8_int4: {why}: never chosen here")
     if not panels:
-        monkeypatch.setattr(panel_linear, "available", lambda shape, dtype, groups=0: "no VNNI (stand-in)")
+        monkeypatch.setattr(panel_linear, "available", lambda shape, dtype, groups=0: "no AVX2 (stand-in)")
     timed = []
     choices, formats = GemmChooser(timer=packed_faster(timed))(traced.graph.graph, (1, 16))
     traced.graph.recompile()
     graph = traced.graph.graph
-    assert timed == [] and count_ops(graph, ops.int4_scaled_mm) == 0
-    kernel = "panels16_int4" if panels else "aten"
+    assert timed == [] and count_ops(graph, ops.int4_block_mm) == 0
+    kernel = "panels8_int4" if panels else "aten"
     assert {c.kind for c in choices} == {"int4"} and {c.kernel for c in choices} == {kernel}
     assert count_ops(graph, ops.panel_int4_linear) == (4 * layers if panels else 0)
     assert count_ops(graph, aten.mm) == (0 if panels else 4 * layers)
-    named = _weight_names(traced, formats)  # the panel GEMM reads its scales packed too
+    named = _weight_names(traced, formats)  # the panel GEMM reads its scales and minimums packed too
     assert named == ({n: f for layer in range(layers) for proj in ("self_attn.qkv_proj", "self_attn.o_proj",
                                                                    "mlp.gate_up_proj", "mlp.down_proj")
-                      for n, f in ((f"model.layers.{layer}.{proj}.weight", "panels16_int4"),
-                                   (f"model.layers.{layer}.{proj}.weight_scale", "panels16_int4_scales"))}
+                      for n, f in ((f"model.layers.{layer}.{proj}.weight", "panels8_int4"),
+                                   (f"model.layers.{layer}.{proj}.weight_scale", "panels8_int4_groups"),
+                                   (f"model.layers.{layer}.{proj}.weight_min", "panels8_int4_groups"))}
                      if panels else {})
     # the dequantized weight's fp32 products sum in another order than the exact per-group sums, and a
     # requantized activation downstream can round the other way: 3e-4 seen, as fp8's oneDNN path

@@ -115,8 +115,8 @@ def test_int8_splits_and_fuses_allreduce_with_norm_and_quant(two_ranks, demo_dir
 
 def test_int4_splits_like_int8(two_ranks, demo_dirs):
     """Quantized while loading, each rank's slices: a row-parallel down_proj keeps its 256 output
-    channels, in groups of 128 of its 256 input channels (the same groups as one rank's)."""
-    assert two_ranks[0]["int4_groups"] == [256, 2]
+    channels, in groups of 32 of its 256 input channels (the same groups as one rank's)."""
+    assert two_ranks[0]["int4_groups"] == [256, 8]
     assert two_ranks[0]["int4"] == [o.token_ids for o in
                                     LLM(demo_dirs["llama"], quantization="int4").generate(PROMPTS, GREEDY)]
 
