@@ -204,21 +204,16 @@ def int4_block_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     """W4A8: (a * a_scale) @ W.T + bias for int8 a [M, K] with a scale per row and block of INT4_BLOCK
     (a_scale [M, K / INT4_BLOCK]) and W [N, K] held as 4-bit codes b [N, K / 2] (`pack_nibbles`) standing for
     b_scale x code + b_min, per output channel and group ([N, groups], groups of a multiple of INT4_BLOCK).
-    Each block's products are summed exactly in int32 (torch's int8 GEMM takes the codes 0..15 as they
-    are), times its scales, plus the group's minimum times the block's activation sum; no fp32 copy of the
-    weight is made."""
+    The eager path: both operands dequantized to fp32 for torch's float GEMM, a block of output channels at
+    a time (the kernel sums each block's integer products exactly; fp32 sums them in another order)."""
     n, groups = b_scale.shape
-    codes = torch.stack((b & 0x0F, b >> 4), dim=-1).view(n, -1).view(torch.int8)
-    k = codes.shape[1]
-    blocks, per_group = k // INT4_BLOCK, k // groups // INT4_BLOCK
-    scales, mins = b_scale.float(), b_min.float()
-    out = a.new_zeros((a.shape[0], n), dtype=torch.float32)
-    for blk in range(blocks):
-        part, g = slice(blk * INT4_BLOCK, (blk + 1) * INT4_BLOCK), blk // per_group
-        rows = a[:, part].contiguous()
-        dots = torch._int_mm(rows, codes[:, part].t()).float()
-        sums = rows.sum(-1, keepdim=True, dtype=torch.int32).float()
-        out += (dots * scales[:, g] + sums * mins[:, g]) * a_scale[:, blk:blk + 1].float()
+    m, k = a.shape
+    x = (a.float().view(m, k // INT4_BLOCK, INT4_BLOCK) * a_scale.float()[..., None]).view(m, k)
+    out = a.new_empty((m, n), dtype=torch.float32)
+    rows = max(1, (1 << 20) // k)  # ~4 MB of fp32 weight at a time
+    for i in range(0, n, rows):
+        w = dequantize_int4(b[i:i + rows], b_scale[i:i + rows], b_min[i:i + rows])
+        torch.mm(x, w.t(), out=out[:, i:i + rows])
     return _biased(out, bias, out_dtype)
 
 

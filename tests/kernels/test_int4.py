@@ -83,7 +83,7 @@ def test_groups_are_packed_per_panel():
     assert torch.equal(panel_linear.unpack_int4_groups(packed), scales)
 
 
-def test_reference_sums_each_block_exactly():
+def test_reference_is_the_blocked_formula():
     a = torch.randint(-127, 128, (3, 128), dtype=torch.int8)
     codes = torch.randint(0, 16, (8, 128), dtype=torch.uint8)
     scales, mins = torch.rand(8, 2).half() + 0.5, -torch.rand(8, 2).half()
