@@ -227,8 +227,8 @@ def _add_compile_options(parser: argparse.ArgumentParser, cache_dir: bool = True
     parser.add_argument("--quantization", choices=QUANTIZATIONS, help="W8A8: weights per channel, "
                         "activations per token (default: none). w7a8 is int8 with 7-bit weight codes: on x86 CPUs "
                         "without VNNI its GEMMs run about twice as fast as exact int8's, for a little more error. "
-                        "int4 is W4A8: 4-bit weights with a scale per group of up to 128 input channels, int8 "
-                        "activations per token (CPU only; AVX-512 VNNI runs it on kiln's own kernel)")
+                        "int4 is W4A8: 4-bit weights with a scale and a minimum per 32, int8 activations with a "
+                        "scale per 32 (CPU only; AVX2 or AVX-512 runs it on kiln's own kernel)")
     parser.add_argument("--tensor-parallel-size", type=at_least(1), default=1, metavar="N", help="split the model "
                         "over N ranks (gloo on CPU, NCCL on CUDA). compile builds the one artifact all N ranks load; "
                         "generate and serve start the ranks under torchrun unless already run by it (default 1)")

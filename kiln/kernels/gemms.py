@@ -49,8 +49,9 @@ Insert = Callable[..., object]
 """insert(target, args, kwargs=None) -> a new graph node calling `target` (the pass supplies it)."""
 NextWeight = Callable[[], torch.Tensor]
 """The next copy of the packed weight a timing run reads (copies stream from memory as a model's do)."""
-Runner = Callable[[Projection, NextWeight, torch.Tensor | None, torch.Tensor], Callable]
-"""runner(projection, next weight, bias, weight scale) -> a call of the GEMM on the timing inputs."""
+Runner = Callable[[Projection, NextWeight, torch.Tensor | None, torch.Tensor | tuple], Callable]
+"""runner(projection, next weight, bias, weight scale (int4: its scales and minimums)) -> a call of the GEMM
+on the timing inputs."""
 
 
 @dataclass(frozen=True)
