@@ -65,6 +65,7 @@ from peers import rotated  # noqa: E402
 from quantization import QWEN25_05B  # noqa: E402
 
 import smollm2  # noqa: E402
+from kiln.argtypes import batch_sizes  # noqa: E402
 
 SYSTEMS = ("hf-eager", "hf-compiled", "kiln-eager", "kiln-compiled", "kiln-graphs")
 HF_SYSTEMS = ("hf-eager", "hf-compiled")
@@ -489,16 +490,6 @@ def _prefill(text: str) -> tuple[int, int]:
     return batch, length
 
 
-def _batches(text: str) -> list[int]:
-    try:
-        batches = [int(b) for b in text.split(",") if b.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected batch sizes like 1,16,64, got {text!r}") from None
-    if not batches or min(batches) < 1:
-        raise argparse.ArgumentTypeError(f"batch sizes must be at least 1, got {text!r}")
-    return batches
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -510,7 +501,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-dir", type=Path, action="append", default=[], help="another checkpoint to run "
                         "(repeatable)")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated (default all)")
-    parser.add_argument("--batches", type=_batches, default=[1, 16, 64], help="decode batch sizes (default 1,16,64)")
+    parser.add_argument("--batches", type=batch_sizes, default=[1, 16, 64], help="decode batch sizes (default 1,16,64)")
     parser.add_argument("--prefill", type=_prefill, default=(16, 512), help="prefill BATCHxLENGTH (default 16x512)")
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed per batch (default 64)")
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens before the timed decode (default 128)")

@@ -46,3 +46,14 @@ def units(parse):
             raise argparse.ArgumentTypeError(str(e)) from None
 
     return convert
+
+
+def batch_sizes(text: str) -> list[int]:
+    """A comma-separated list of batch sizes, each at least 1: "1,16"."""
+    try:
+        batches = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected batch sizes like 1,16, got {text!r}") from None
+    if not batches or min(batches) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be at least 1, got {text!r}")
+    return batches

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kiln.argtypes import batch_sizes
 from kiln.config import DTYPES, LM_HEAD_QUANTIZATIONS, QUANTIZATIONS
 from kiln.errors import KilnError
 
@@ -113,19 +114,9 @@ def decode_step_seconds(llm, batch: int, steps: int, prompt_len: int = 32, vocab
     return statistics.median(times)
 
 
-def _batches(text: str) -> list[int]:
-    try:
-        batches = [int(b) for b in text.split(",") if b.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected batch sizes like 1,16, got {text!r}") from None
-    if not batches or min(batches) < 1:
-        raise argparse.ArgumentTypeError(f"batch sizes must be at least 1, got {text!r}")
-    return batches
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model directory")
-    parser.add_argument("--batches", type=_batches, default=[1, 16], metavar="B,B,...",
+    parser.add_argument("--batches", type=batch_sizes, default=[1, 16], metavar="B,B,...",
                         help="decode batch sizes (default 1,16)")
     parser.add_argument("--steps", type=int, default=32, metavar="N", help="decode steps timed per batch (default 32)")
     parser.add_argument("--rounds", type=int, default=3, metavar="N", help="rounds, each timing every batch right "
