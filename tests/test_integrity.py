@@ -24,7 +24,8 @@ from tests.cache_tools.test_commands import kiln_cache_cmd
 from tests.oracle import PROMPTS
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-needs_panels = pytest.mark.skipif(not cpp_lowering.register() or panel_linear.available((32, 8), torch.float32),
+needs_panels = pytest.mark.skipif(not cpp_lowering.register()
+                                  or panel_linear.available((32, 8), torch.float32) is not None,
                                   reason="kiln's panel GEMM (the packed-weights cache's user) is not available here")
 
 

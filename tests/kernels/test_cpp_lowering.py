@@ -10,7 +10,8 @@ from tests.cache_tools.test_commands import kiln_cache_cmd
 from tests.kernels.test_onednn_lowering import _library
 
 ops = torch.ops.kiln
-pytestmark = pytest.mark.skipif(not cpp_lowering.register() or panel_linear.available((32, 8), torch.float32),
+pytestmark = pytest.mark.skipif(not cpp_lowering.register()
+                                or panel_linear.available((32, 8), torch.float32) is not None,
                                 reason="kiln's panel GEMM is not available on this CPU and torch")
 needs_int8 = pytest.mark.skipif(panel_linear.available((32, 8), torch.int8) is not None,
                                 reason="kiln's int8 panel GEMM is not available on this CPU (no AVX512-VNNI)")
