@@ -144,8 +144,6 @@ def _llm(args: argparse.Namespace, compile: bool, **options):
     )
     if llm.parallel.rank == 0:
         _say(llm.dtype_note)
-        if llm.quantization_note:
-            _say(llm.quantization_note)
         if llm.threads:
             _say(describe(llm.threads, args.threads is not None))
     return llm

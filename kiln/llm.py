@@ -13,7 +13,7 @@ from kiln.config import (CompileConfig, EngineConfig, ParallelConfig, cpu_has_na
 from kiln.errors import KilnError
 from kiln.models.config import ModelConfig
 from kiln.models.lm_head import quantize_lm_head
-from kiln.models.quantization import check_int4_placement, check_scheme, cpu_note, quantize_model
+from kiln.models.quantization import check_int4_placement, check_scheme, quantize_model
 from kiln.models.registry import create_model
 from kiln.passes import GraphPass
 from kiln.runtime.engine import Engine, RequestOutput
@@ -145,12 +145,6 @@ class LLM:
                      "software: they read half the bytes, faster at batch 1, but are slower than float32 on "
                      "batches; --dtype float32 where twice the weight memory fits")
         return note + ")"
-
-    @property
-    def quantization_note(self) -> str | None:
-        """For the start-up lines: on a CPU whose int8 GEMM is exact only split (no VNNI), that w7a8 is
-        the faster int8 there; None where that does not apply."""
-        return cpu_note(self.quantization) if self.device.type == "cpu" else None
 
     def _check_memory(self, engine_config: EngineConfig) -> None:
         """Fail before loading, with the numbers and what would fit, when the weights and a KV cache

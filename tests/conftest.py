@@ -64,7 +64,8 @@ def llama_artifact(demo_dirs, kiln_cache):
 
 @pytest.fixture(scope="session")
 def packed_artifact(demo_dirs, tmp_path_factory):
-    """The demo llama compiled int8 with every projection on fbgemm's packed int8 GEMM, and its LM head
+    """The demo llama compiled w7a8 (per-token int8 activations) with every projection on fbgemm's packed
+    int8 GEMM, and its LM head
     packed for oneDNN (the choice's timings forced): its pieces call a kiln op through AOTInductor's
     proxy executor, so its blobs have call tables (the KV-cache write and the oneDNN projections,
     the other ops a CPU piece called, are now Inductor's own code or C shim calls)."""
@@ -76,7 +77,7 @@ def packed_artifact(demo_dirs, tmp_path_factory):
         pytest.skip("this torch has no fbgemm quantized linear")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gemm_choice, "_streamed_time",
-                   lambda fn, args: 0.5 if fn.kernel in ("fbgemm_int8", "onednn") else 2.0)
+                   lambda fn, args: 0.5 if fn.kernel in ("fbgemm_w7a8", "onednn") else 2.0)
         mp.setattr(gemm_choice, "MIN_TIMED_ELEMENTS", 0)  # the demo's projections are time-worthy here
-        return LLM(demo_dirs["llama"], compile=True, quantization="int8",
+        return LLM(demo_dirs["llama"], compile=True, quantization="w7a8",
                    cache_dir=tmp_path_factory.mktemp("packed")).artifact_path

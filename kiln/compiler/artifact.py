@@ -88,6 +88,8 @@ def _blob_entries(manifest: dict) -> list[dict]:
 
 HEAD_TENSOR_ARGS = (0, 1)
 """An LM head library's arguments, the rows and the packed weight: both tensors."""
+BLOCKED_HEAD_TENSOR_ARGS = (0, 1, 2)
+"""...and the blocked int8 GEMM's: the rows, their block scales and the packed weight."""
 
 
 def lm_head_libraries(manifest: dict) -> dict[str, dict]:

@@ -36,6 +36,7 @@ from kiln.compiler.workers import CompileJob, compile_jobs, cpu_probe_done, prob
 from kiln.config import CompileConfig, dtype_name
 from kiln.kernels import gemms, panel_linear
 from kiln.models.llama import CausalLM
+from kiln.models.lm_head import Int8Head
 from kiln.passes import GraphPass, PassManager, gemm_choice
 from kiln.passes.base import SizeRange
 from kiln.passes.manager import PassReport
@@ -234,6 +235,10 @@ def _lm_head_choice(model: CausalLM, compile_config: CompileConfig) -> dict | No
     logger.info("LM head %s: %s (%s)", list(weight.shape), choice.kernel, choice.ms)
     head = {"format": None if choice.kernel == gemms.ATEN.id else choice.kernel, "choice": choice.as_dict(),
             "screen": None, "screen_choice": None}
+    int8_head = getattr(model, "lm_head_kernel", None)
+    if isinstance(int8_head, Int8Head) and int8_head.blocks:  # its activations per block of 32, on this kernel
+        probe = gemms.Projection("int8_blocked", tuple(weight.shape), torch.int8)
+        head["int8_blocked"] = None if gemms.PANELS8_INT8_BLOCK.unavailable(probe) else gemms.PANELS8_INT8_BLOCK.id
     screens = weight.dtype == torch.float32 and head["format"] is not None  # what `PackedHead` screens
     if screens and panel_linear.available(tuple(weight.shape), torch.int8) is None:  # else nothing to choose
         screen = gemm_choice.lm_head_screen_choice(tuple(weight.shape), tokens)
@@ -248,7 +253,8 @@ def _build_libraries(model: CausalLM, lm_head: dict | None, pieces: PieceCache,
     """The libraries the artifact ships beside its pieces: the panel GEMMs chosen for the LM head, and
     kiln's kernels that run outside the pieces (`kiln.compiler.libraries`)."""
     start = time.perf_counter()
-    formats = [lm_head[k] for k in ("format", "screen") if lm_head is not None and lm_head[k] in libraries.HEAD_FORMATS]
+    formats = [lm_head.get(k) for k in ("format", "screen", "int8_blocked")
+               if lm_head is not None and lm_head.get(k) in libraries.HEAD_FORMATS]
     head = libraries.build_head(formats, tuple(model.lm_head_weight().shape), pieces) if formats else {}
     kernels = []
     if libraries.attention_wanted(next(model.parameters()).device, model.dtype):

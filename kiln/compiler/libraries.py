@@ -4,8 +4,8 @@ A serve start has no compiler, so an artifact ships each such kernel built by AO
 graph of its one op:
 - the LM head's panel GEMMs (`kiln.kernels.gemms`), when the compile chose one for the head: the
   head runs after the pieces (the runtime picks the rows it needs, and the greedy screen decides
-  which logits to compute). The runtime calls it as `library(x, packed_weight)` -> [rows, vocab] fp32;
-  its row count is dynamic.
+  which logits to compute). The runtime calls it as `library(x, packed_weight)` -> [rows, vocab] fp32,
+  or for the blocked int8 GEMM `library(x, x_scale, packed_weight)`; its row count is dynamic.
 - the decode attention (`kiln.kernels.decode_attention`), which runs between the pieces from Python
   (the graph is split there), and the LM head's greedy screen (`kiln.kernels.greedy_screen`), which
   runs after them: every dimension dynamic, called with the op's tensor arguments (`LIBRARY_ARGS` of
@@ -23,8 +23,9 @@ from kiln.compiler.aoti import CompiledLibrary
 from kiln.compiler.piece_cache import PieceCache
 from kiln.compiler.workers import CompileJob, compile_cached
 from kiln.kernels import cpp_lowering, decode_attention, gemms, greedy_screen
+from kiln.kernels.quant import ACT_BLOCK
 
-HEAD_FORMATS = {c.id: c for c in (gemms.PANELS16, gemms.PANELS16_INT8)}
+HEAD_FORMATS = {c.id: c for c in (gemms.PANELS16, gemms.PANELS16_INT8, gemms.PANELS8_INT8_BLOCK)}
 """The head formats whose GEMM ships as a library (the others are torch's own oneDNN calls)."""
 HEAD_EXAMPLE_ROWS = 16
 """The row count traced for a head library (any count runs: the dimension stays symbolic)."""
@@ -51,6 +52,9 @@ def head_job(format: str, shape: tuple[int, int]) -> CompileJob:
     mode = FakeTensorMode(shape_env=ShapeEnv())
     x = _symbolic(mode, (HEAD_EXAMPLE_ROWS, shape[1]), dtype, (0,))
     weight = mode.from_tensor(torch.empty(shape, dtype=dtype))
+    if candidate is gemms.PANELS8_INT8_BLOCK:  # the rows' block scales between them
+        scales = _symbolic(mode, (HEAD_EXAMPLE_ROWS, shape[1] // ACT_BLOCK), torch.float32, (0,))
+        return CompileJob(_one_op(candidate.op, ["x", "x_scale", "weight"]), [x, scales, weight], mode)
     return CompileJob(_one_op(candidate.op, ["x", "weight"]), [x, weight], mode)
 
 

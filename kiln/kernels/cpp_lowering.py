@@ -72,6 +72,13 @@ def register() -> bool:
         return ir.TensorBox.create(CppKernel(kernel.op, kernel.source + kernel.wrapper_source, kernel.shim, layout,
                                              realized((a, a_scale, weight, scales, mins))))
 
+    @register_lowering(torch.ops.kiln.panel_int8_block_linear.default, type_promotion_kind=None)
+    def lower_int8_block(a, a_scale, weight):
+        kernel = panel_linear.INT8_BLOCK
+        layout = ir.FixedLayout(a.get_device(), torch.float32, [a.get_size()[0], weight.get_size()[0]])
+        return ir.TensorBox.create(CppKernel(kernel.op, kernel.source + kernel.wrapper_source, kernel.shim, layout,
+                                             realized((a, a_scale, weight))))
+
     def kernel_lowering(module, layout_of):
         """`module`'s op (a kernel module: SOURCE, WRAPPER_SOURCE, SHIM) lowered to its C++ kernel;
         `layout_of(*inputs)` is its output's [sizes], dtype."""

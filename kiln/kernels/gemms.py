@@ -18,9 +18,10 @@ from kiln.kernels import cpp_lowering, packed_linear, panel_linear, quant
 
 aten, ops = torch.ops.aten, torch.ops.kiln
 
-KINDS = ("float", "int8", "w7a8", "fp8", "int4")
-"""Projection kinds: "float" (mm/addmm), "int8" (W8A8 `scaled_mm`), "w7a8" (int8 with 7-bit weight
-codes), "fp8" (fp8 `scaled_mm`) and "int4" (W4A8 `int4_block_mm`)."""
+KINDS = ("float", "int8", "w7a8", "fp8", "int4", "int8_blocked")
+"""Projection kinds: "float" (mm/addmm), "int8" (W8A8 `scaled_mm`, activations per token or tensor), "w7a8"
+(int8 with 7-bit weight codes), "fp8" (fp8 `scaled_mm`), "int4" (W4A8 `int4_block_mm`) and "int8_blocked"
+(W8A8 `int8_block_mm`, activations per block of 32)."""
 INT8_KINDS = ("int8", "w7a8")
 
 
@@ -60,8 +61,9 @@ class GemmCandidate:
     output: for int8 and fp8 kinds the unscaled fp32 product (the pass adds `scaled_mm`'s epilogue;
     `bias` is then None); for int4 the whole fp32 product, the activation's block scales and the
     weight's group scales and minimums applied, which it gets as (a_scale, scales, mins) in `bias`'s
-    place (the pass adds the bias). A runner of an int4 kernel likewise gets (scales, mins) [N, groups]
-    as its weight scale. `pack` makes the weight format from the weight as loaded (None: the weight as
+    place (the pass adds the bias); for blocked int8 the product with the activation's block scales
+    applied, which it gets as a_scale in `bias`'s place (the pass adds the weight's scales and the bias).
+    A runner of an int4 kernel likewise gets (scales, mins) [N, groups] as its weight scale. `pack` makes the weight format from the weight as loaded (None: the weight as
     loaded), into `out` where `plain` (a plain tensor of the weight's shape and dtype)."""
 
     id: str
@@ -108,7 +110,8 @@ def _fbgemm_check(projection: Projection) -> str | None:
 def _panels_check(projection: Projection) -> str | None:
     if not cpp_lowering.register():
         return "this torch's Inductor cannot compile the panel GEMMs into a piece"
-    return panel_linear.available(projection.shape, projection.dtype, projection.groups)
+    return panel_linear.available(projection.shape, projection.dtype, projection.groups,
+                                  blocked=projection.kind == "int8_blocked")
 
 
 # -- timing runners: the GEMMs alone (the graph fuses int8's shift and epilogue into other loops) --
@@ -120,6 +123,9 @@ def _aten_runner(p: Projection, weight: NextWeight, bias, scale) -> Callable:
         return lambda a, s: torch._int_mm(a, weight().t())
     if p.kind == "int4":
         return lambda a, s: quant.int4_block_mm(a, s, weight(), *scale, torch.float32)
+    if p.kind == "int8_blocked":  # without the weight's scales, as the kernels (the graph applies them after)
+        unit = torch.ones(p.shape[0])
+        return lambda a, s: quant.int8_block_mm(a, s, weight(), unit, torch.float32)
     return lambda a, s: ops.scaled_mm(a, weight(), s, scale, p.out_dtype, bias)
 
 
@@ -163,6 +169,11 @@ def _panels_int4_runner(p: Projection, weight: NextWeight, bias, scale) -> Calla
     return lambda a, s: gemm(a, s, weight(), scales, mins)
 
 
+def _panels_int8_block_runner(p: Projection, weight: NextWeight, bias, scale) -> Callable:
+    gemm = panel_linear.timing_kernel(panel_linear.INT8_BLOCK)
+    return lambda a, s: gemm(a, s, weight())
+
+
 def _widened_runner(p: Projection, weight: NextWeight, bias, scale) -> Callable:
     return lambda a, s: a.float() @ weight().float().t()
 
@@ -174,11 +185,14 @@ def _float_emit(op) -> Callable:
 
 
 def _aten_emit(insert: Insert, a, weight, bias):
-    """int8: torch._int_mm, which AOTInductor calls from C++ with no Python op around it; int4: the
-    weight and the activations dequantized to fp32 in the graph (Inductor fuses each into one loop) for
-    torch's float GEMM, the path for CPUs without the int4 panel GEMM (neither AVX2 nor AVX-512)."""
+    """int8: torch._int_mm, which AOTInductor calls from C++ with no Python op around it; int4 and blocked
+    int8 (`bias` holds their scales): the activations dequantized to fp32 in the graph, and the weight too
+    (Inductor fuses each into one loop), for torch's float GEMM: the path for CPUs without their panel GEMMs
+    (neither AVX2 nor AVX-512), and blocked int8's on prefill chunks where that computes faster."""
     if weight.meta["val"].dtype == torch.uint8:
         return _dequantized_int4_emit(insert, a, weight, bias)
+    if bias is not None:
+        return _dequantized_int8_blocked_emit(insert, a, weight, bias)
     sums = insert(aten._int_mm.default, (a, insert(aten.t.default, (weight,))))
     return insert(aten._to_copy.default, (sums,), {"dtype": torch.float32})
 
@@ -195,10 +209,24 @@ def _dequantized_int4_emit(insert: Insert, a, weight, extra):
                   for t in (scales, mins))
     w = insert(aten.view.default, (insert(aten.add.Tensor, (insert(aten.mul.Tensor, (wide, scale)), low)), [n, 2 * half]))
     rows = insert(aten.view.default, (insert(aten._to_copy.default, (a,), {"dtype": torch.float32}),
-                                      [-1, 2 * half // quant.INT4_BLOCK, quant.INT4_BLOCK]))
+                                      [-1, 2 * half // quant.ACT_BLOCK, quant.ACT_BLOCK]))
     x = insert(aten.view.default, (insert(aten.mul.Tensor, (rows, insert(aten.unsqueeze.default, (a_scale, -1)))),
                                    [-1, 2 * half]))
     return insert(aten.mm.default, (x, insert(aten.t.default, (w,))))
+
+
+def _dequantized_int8_blocked_emit(insert: Insert, a, weight, a_scale):
+    k = weight.meta["val"].shape[1]
+    wide = insert(aten._to_copy.default, (weight,), {"dtype": torch.float32})
+    rows = insert(aten.view.default, (insert(aten._to_copy.default, (a,), {"dtype": torch.float32}),
+                                      [-1, k // quant.ACT_BLOCK, quant.ACT_BLOCK]))
+    x = insert(aten.view.default, (insert(aten.mul.Tensor, (rows, insert(aten.unsqueeze.default, (a_scale, -1)))),
+                                   [-1, k]))
+    return insert(aten.mm.default, (x, insert(aten.t.default, (wide,))))
+
+
+def _panels_int8_block_emit(insert: Insert, a, weight, a_scale):
+    return insert(ops.panel_int8_block_linear.default, (a, a_scale, weight))
 
 
 def _panels_int4_emit(insert: Insert, a, weight, extra):
@@ -280,6 +308,12 @@ PANELS8_INT4 = GemmCandidate("panels8_int4", ("int4",), (torch.uint8,),
                              "output channels, 8 K of them a 32-byte line of 4-bit codes, unpacked in registers",
                              _panels_int4_runner, _panels_int4_emit, panel_linear.pack_int4, plain=True,
                              op=ops.panel_int4_linear.default, check=_panels_check)
+PANELS8_INT8_BLOCK = GemmCandidate("panels8_int8_blocked", ("int8_blocked",), (torch.int8,),
+                                   "kiln's W8A8 panel GEMM with activation blocks (AVX2, or AVX-512 VNNI's 256-bit "
+                                   "dot product): panels of 8 output channels, 4 K of them a 32-byte line, each "
+                                   "block of 32 K summed exactly, times its scale", _panels_int8_block_runner,
+                                   _panels_int8_block_emit, panel_linear.pack_int8_blocked, plain=True,
+                                   op=ops.panel_int8_block_linear.default, check=_panels_check)
 INT4_GROUPS = GemmCandidate("panels8_int4_groups", (), None, "the group scales and minimums (fp16) of a weight on "
                             "kiln's W4A8 panel GEMM, each panel's [groups, 8] in order (a format, never a kernel "
                             "of its own)", _aten_runner, None, panel_linear.pack_int4_groups, plain=True)
@@ -288,7 +322,8 @@ WIDENED = GemmCandidate("widened", INT8_KINDS, (torch.int8,),
                         "where a CPU's int8 GEMMs are slow, large prefill chunks compute faster so",
                         _widened_runner, _widened_emit)
 
-ALL = (ONEDNN, ONEDNN_INT8, FBGEMM_INT8, FBGEMM_W7A8, ONEDNN_FP8, PANELS16, PANELS16_INT8, PANELS8_INT4, WIDENED)
+ALL = (ONEDNN, ONEDNN_INT8, FBGEMM_INT8, FBGEMM_W7A8, ONEDNN_FP8, PANELS16, PANELS16_INT8, PANELS8_INT4,
+       PANELS8_INT8_BLOCK, WIDENED)
 """The candidates, in the order they are tried (ties go to the earlier)."""
 BY_ID = {c.id: c for c in (ATEN, *ALL)}
 FORMATS = {c.id: c for c in (*ALL, INT4_GROUPS) if c.packed}

@@ -1,7 +1,7 @@
 """kiln's GEMMs for decode batches on x86 CPUs: fp32 and int8 on AVX-512 (int8 with VNNI), the weight
 packed in panels of 16 output channels, each panel's K x 16 block contiguous, streamed once per call
 while up to 16 token rows accumulate in registers, with the panel 16 KB ahead prefetched; and int4
-(W4A8) on AVX2 or AVX-512, in panels of 8.
+(W4A8) and int8 with activation blocks (W8A8, a scale per 32) on AVX2 or AVX-512, in panels of 8.
 
 At decode sizes a projection reads its weight from memory, and oneDNN's fp32 GEMM does not keep the
 memory busy while it computes: this kernel runs close to the time it takes to stream the weight, and
@@ -29,12 +29,13 @@ from pathlib import Path
 import torch
 
 from kiln.kernels import cpp_source
-from kiln.kernels.quant import INT4_BLOCK
+from kiln.kernels.quant import ACT_BLOCK
 
 PANEL = 16
 """Output channels a panel holds: one AVX-512 register of fp32 (the kernels' KILN_PANEL, csrc/panel.h)."""
 INT4_PANEL = 8
-"""Output channels a panel of the int4 kernel holds: one AVX2 register of fp32 (csrc/panel_int4_linear.cpp)."""
+"""Output channels a panel of the int4 and blocked int8 kernels holds: one AVX2 register of fp32
+(csrc/panel_int4_linear.cpp, csrc/panel_int8_block_linear.cpp)."""
 PREFETCH_LINES = 256
 """How far ahead of the row being multiplied the kernel prefetches its weight, in 64-byte lines
 (a K x 16 panel row is one line): chosen by timing; nearer left the GEMM waiting on memory. The kernels' KILN_PREFETCH_LINES (csrc/panel.h)."""
@@ -51,6 +52,11 @@ INT4_SOURCE = cpp_source.read("panel_int4_linear.cpp")
 """The int4 kernel's C++ (csrc/panel_int4_linear.cpp), with its C entry point `kiln_panel_int4_gemm`."""
 INT4_WRAPPER_SOURCE = cpp_source.read("panel_int4_linear_shim.cpp")
 """kiln::panel_int4_linear as a C shim function."""
+INT8_BLOCK_SOURCE = cpp_source.read("panel_int8_block_linear.cpp")
+"""The blocked int8 kernel's C++ (csrc/panel_int8_block_linear.cpp), with its C entry point
+`kiln_panel_int8_block_gemm`."""
+INT8_BLOCK_WRAPPER_SOURCE = cpp_source.read("panel_int8_block_linear_shim.cpp")
+"""kiln::panel_int8_block_linear as a C shim function."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,8 @@ class PanelKernel:
     w4a8: bool = False
     """Whether `entry` is the int4 kernel's: the activations' block scales after them, the weight's group scales
     and minimums after it, and the group count after K."""
+    blocked: bool = False
+    """Whether `entry` takes the activations' block scales after them (the blocked int8 kernel)."""
 
 
 FLOAT = PanelKernel("panel_linear", SOURCE, "kiln_panel_gemm", WRAPPER_SOURCE, "aoti_torch_cpu_kiln_panel_linear",
@@ -80,6 +88,9 @@ INT8 = PanelKernel("panel_int8_linear", INT8_SOURCE, "kiln_panel_int8_gemm", INT
                    "aoti_torch_cpu_kiln_panel_int8_linear", ("-mavx512vnni",), takes_bias=False)
 INT4 = PanelKernel("panel_int4_linear", INT4_SOURCE, "kiln_panel_int4_gemm", INT4_WRAPPER_SOURCE,
                    "aoti_torch_cpu_kiln_panel_int4_linear", ("-mavx2", "-mavx512f"), takes_bias=False, w4a8=True)
+INT8_BLOCK = PanelKernel("panel_int8_block_linear", INT8_BLOCK_SOURCE, "kiln_panel_int8_block_gemm",
+                         INT8_BLOCK_WRAPPER_SOURCE, "aoti_torch_cpu_kiln_panel_int8_block_linear",
+                         ("-mavx2", "-mavx512f"), takes_bias=False, blocked=True)
 
 
 def pack(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,6 +128,22 @@ def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
     n, k = packed.shape
     panels = (packed.view(torch.uint8) ^ 0x80).view(torch.int8).view(n // PANEL, k // 4, PANEL, 4)
     return panels.transpose(1, 2).reshape(n, k)
+
+
+def pack_int8_blocked(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, K] int8 codes -> the same shape holding, per panel of INT4_PANEL channels, each 4 K of them in one
+    32-byte line ([K / 4, 8, 4]), for the blocked int8 kernel; written into `out` (a contiguous [N, K] int8
+    tensor) if given. N must be a multiple of INT4_PANEL and K of 4."""
+    n, k = w.shape
+    out = torch.empty((n, k), dtype=torch.int8) if out is None else out
+    out.view(n // INT4_PANEL, k // 4, INT4_PANEL, 4).copy_(w.reshape(n // INT4_PANEL, INT4_PANEL, k // 4, 4).transpose(1, 2))
+    return out
+
+
+def unpack_int8_blocked(packed: torch.Tensor) -> torch.Tensor:
+    """The codes `pack_int8_blocked` was given."""
+    n, k = packed.shape
+    return packed.view(n // INT4_PANEL, k // 4, INT4_PANEL, 4).transpose(1, 2).reshape(n, k)
 
 
 def pack_int4(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -200,22 +227,40 @@ def _(a, a_scale, weight, scales, mins):
     return a.new_empty((a.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
+@torch.library.custom_op("kiln::panel_int8_block_linear", mutates_args=())
+def panel_int8_block_linear(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`kiln::int8_block_mm` in fp32 without the weight's scales or a bias, `weight` holding the int8 codes
+    packed by `pack_int8_blocked`. This function is the reference (it unpacks them); a compiled piece runs the
+    kernel (`INT8_BLOCK_SOURCE`)."""
+    from kiln.kernels.quant import int8_block_mm
+
+    codes = unpack_int8_blocked(weight)
+    return int8_block_mm(a, a_scale, codes, a_scale.new_ones(codes.shape[0]), torch.float32)
+
+
+@panel_int8_block_linear.register_fake
+def _(a, a_scale, weight):
+    return a.new_empty((a.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
 INT8_MAX_K = (1 << 31) // (255 * 128)
 """The longest row whose int32 sums of (w + 128) x a cannot overflow."""
 
 
-def available(shape: tuple[int, int], dtype: torch.dtype, groups: int = 0) -> str | None:
-    """Why no panel GEMM can run an [N, K] projection of `dtype` (fp32, int8 codes, or 4-bit codes two to
-    a uint8 in `groups` groups, `shape` then the codes' [N, K / 2]) here, or None."""
+def available(shape: tuple[int, int], dtype: torch.dtype, groups: int = 0, blocked: bool = False) -> str | None:
+    """Why no panel GEMM can run an [N, K] projection of `dtype` (fp32, int8 codes (`blocked`: with activation
+    blocks), or 4-bit codes two to a uint8 in `groups` groups, `shape` then the codes' [N, K / 2]) here, or None."""
     n, k = shape
     if dtype not in (torch.float32, torch.int8, torch.uint8):
         return "fp32, int8 and int4 weights only"
-    kernel = {torch.float32: FLOAT, torch.int8: INT8, torch.uint8: INT4}[dtype]
-    panel = INT4_PANEL if kernel is INT4 else PANEL
+    kernel = INT8_BLOCK if blocked else {torch.float32: FLOAT, torch.int8: INT8, torch.uint8: INT4}[dtype]
+    panel = INT4_PANEL if kernel in (INT4, INT8_BLOCK) else PANEL
     if n % panel:
         return f"{n} output channels are not a multiple of {panel}"
-    if kernel is INT4 and (groups <= 0 or (2 * k) % groups or (2 * k // groups) % INT4_BLOCK):
-        return f"groups of {2 * k} / {groups} input channels are not a multiple of {INT4_BLOCK}"
+    if kernel is INT4 and (groups <= 0 or (2 * k) % groups or (2 * k // groups) % ACT_BLOCK):
+        return f"groups of {2 * k} / {groups} input channels are not a multiple of {ACT_BLOCK}"
+    if kernel is INT8_BLOCK and k % ACT_BLOCK:
+        return f"{k} input channels are not a multiple of {ACT_BLOCK}"
     if kernel is INT8 and (k % 4 or k > INT8_MAX_K):
         return f"{k} input channels are not a multiple of 4 up to {INT8_MAX_K}"
     if not set(kernel.isa) & set(_arch_flags()):
@@ -262,6 +307,9 @@ def timing_kernel(kernel: PanelKernel = FLOAT) -> Callable[..., torch.Tensor] | 
     if kernel.w4a8:
         gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4
         return functools.partial(_run_w4a8, gemm)
+    if kernel.blocked:
+        gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        return functools.partial(_run_blocked, gemm)
     gemm.argtypes = [ctypes.c_void_p] * (4 if kernel.takes_bias else 3) + [ctypes.c_int64] * 3
 
     def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -285,4 +333,12 @@ def _run_w4a8(gemm, a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor
     out = a.new_empty((a.shape[0], weight.shape[0]), dtype=torch.float32)
     gemm(a.data_ptr(), a_scale.data_ptr(), weight.data_ptr(), scales.data_ptr(), mins.data_ptr(), out.data_ptr(),
          a.shape[0], weight.shape[0], a.shape[1], scales.shape[1])
+    return out
+
+
+def _run_blocked(gemm, a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The blocked int8 kernel on `kiln::panel_int8_block_linear`'s arguments."""
+    a, a_scale = a.contiguous(), a_scale.float().contiguous()
+    out = a.new_empty((a.shape[0], weight.shape[0]), dtype=torch.float32)
+    gemm(a.data_ptr(), a_scale.data_ptr(), weight.data_ptr(), out.data_ptr(), a.shape[0], weight.shape[0], a.shape[1])
     return out

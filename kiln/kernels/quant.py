@@ -2,7 +2,8 @@
 W4A8: 4-bit weight codes with a scale and a minimum per group of input channels).
 
 8-bit scales are symmetric and fp32. Activation scales are per token ([T, 1], "dynamic") or one for the
-tensor ([1, 1], "static"), or for W4A8 per token and block of 32 input channels ([T, K / 32]); 8-bit
+tensor ([1, 1], "static"), or for W4A8 and CPU int8 (`int8_block_mm`) per token and block of 32 input
+channels ([T, K / 32]); 8-bit
 weight scales are per output channel ([N]). 4-bit weights are asymmetric: a code 0..15 stands for
 scale x code + minimum, a scale and a minimum (fp16) per output channel and group ([N, K / group]). Kept
 as separate ops so the fusion passes can fold a quantization into the RMSNorm or SiLU*Mul before it.
@@ -120,9 +121,10 @@ def quantize_weight(w: torch.Tensor, dtype: torch.dtype,
     return out, s
 
 
-INT4_BLOCK = 32
-"""Input channels an int4 projection's activation scale covers (`quant_int8_blocked`), and the smallest weight
-group: a scale per 32 activations loses a third of what one per token loses (docs/models.md)."""
+ACT_BLOCK = 32
+"""Input channels an activation scale of int8 and int4 projections covers on CPU (`quant_int8_blocked`), and
+int4's smallest weight group: as llama.cpp's Q8_0 dot products, a scale per 32 activations loses a third of what
+one per token loses (docs/models.md)."""
 INT4_GROUP = 32
 """The group `quantize_weight_int4` is given by `--quantization int4`: a scale and a minimum per 32 weights."""
 INT4_LEVELS = 15.0
@@ -155,6 +157,28 @@ def _(x, block):
 def quant_int8_blocked_native(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`kiln::quant_int8_blocked`'s aten form, which Inductor fuses into the loop before it."""
     return _quant_blocked_native(x, block)
+
+
+@torch.library.custom_op("kiln::int8_block_mm", mutates_args=())
+def int8_block_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                  out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8 with activation blocks: (a * a_scale) @ (b * b_scale[:, None]).T + bias for int8 a [M, K] with a
+    scale per row and block of ACT_BLOCK (a_scale [M, K / ACT_BLOCK]) and int8 weight codes b [N, K] with a
+    scale per output channel. The eager path: the activations dequantized to fp32 and the weight widened for
+    torch's float GEMM, a block of output channels at a time (products of int8 codes are exact in fp32; the
+    kernel sums each block's in integers, fp32 in another order)."""
+    m, k = a.shape
+    x = (a.float().view(m, k // ACT_BLOCK, ACT_BLOCK) * a_scale.float()[..., None]).view(m, k)
+    out = a.new_empty((m, b.shape[0]), dtype=torch.float32)
+    rows = max(1, (1 << 20) // k)  # ~4 MB of fp32 weight at a time
+    for i in range(0, b.shape[0], rows):
+        torch.mm(x, b[i:i + rows].float().t(), out=out[:, i:i + rows])
+    return _biased(out * b_scale.float().reshape(1, -1), bias, out_dtype)
+
+
+@int8_block_mm.register_fake
+def _(a, a_scale, b, b_scale, out_dtype, bias=None):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -201,14 +225,14 @@ def dequantize_int4(weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
 @torch.library.custom_op("kiln::int4_block_mm", mutates_args=())
 def int4_block_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                   b_min: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """W4A8: (a * a_scale) @ W.T + bias for int8 a [M, K] with a scale per row and block of INT4_BLOCK
-    (a_scale [M, K / INT4_BLOCK]) and W [N, K] held as 4-bit codes b [N, K / 2] (`pack_nibbles`) standing for
-    b_scale x code + b_min, per output channel and group ([N, groups], groups of a multiple of INT4_BLOCK).
+    """W4A8: (a * a_scale) @ W.T + bias for int8 a [M, K] with a scale per row and block of ACT_BLOCK
+    (a_scale [M, K / ACT_BLOCK]) and W [N, K] held as 4-bit codes b [N, K / 2] (`pack_nibbles`) standing for
+    b_scale x code + b_min, per output channel and group ([N, groups], groups of a multiple of ACT_BLOCK).
     The eager path: both operands dequantized to fp32 for torch's float GEMM, a block of output channels at
     a time (the kernel sums each block's integer products exactly; fp32 sums them in another order)."""
     n, groups = b_scale.shape
     m, k = a.shape
-    x = (a.float().view(m, k // INT4_BLOCK, INT4_BLOCK) * a_scale.float()[..., None]).view(m, k)
+    x = (a.float().view(m, k // ACT_BLOCK, ACT_BLOCK) * a_scale.float()[..., None]).view(m, k)
     out = a.new_empty((m, n), dtype=torch.float32)
     rows = max(1, (1 << 20) // k)  # ~4 MB of fp32 weight at a time
     for i in range(0, n, rows):

@@ -11,7 +11,7 @@ Anything else is refused with its reason rather than run approximately.
 from dataclasses import dataclass
 
 from kiln.errors import KilnError
-from kiln.kernels.quant import INT4_BLOCK
+from kiln.kernels.quant import ACT_BLOCK
 
 FORMATS = ("int-quantized", "float-quantized", "naive-quantized", "pack-quantized")
 SCHEME_OF_TYPE = {"int": "int8", "float": "fp8"}
@@ -103,7 +103,7 @@ def _int4(qc: dict, group: dict) -> CheckpointQuantization:
     if weights.get("actorder"):
         raise _fail(f"actorder {weights.get('actorder')!r} (group indices, weight_g_idx)")
     size = weights.get("group_size")
-    if not isinstance(size, int) or size <= 0 or size % INT4_BLOCK:
-        raise _fail(f"group_size {size!r} (kiln needs a multiple of {INT4_BLOCK}: its activations take a scale per "
-                    f"{INT4_BLOCK})")
+    if not isinstance(size, int) or size <= 0 or size % ACT_BLOCK:
+        raise _fail(f"group_size {size!r} (kiln needs a multiple of {ACT_BLOCK}: its activations take a scale per "
+                    f"{ACT_BLOCK})")
     return CheckpointQuantization(scheme="int4", static_input=False, weight_per_tensor=False, group_size=size)

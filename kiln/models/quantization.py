@@ -2,14 +2,14 @@
 checkpoint loads into.
 
 `quantize_model` swaps every decoder projection (qkv, o, gate_up, down) for a `QuantLinear` holding
-the weight in int8 or fp8 with one scale per output channel (activations quantized per token at run
-time), or for "int4" an `Int4Linear` holding 4-bit codes with a scale and a minimum per output channel
-and group of 32 input channels (W4A8: activations quantized per token and block of 32). "w7a8" is int8 with weight codes in [-63, 63]: on x86 CPUs without VNNI, fbgemm's int8
-GEMM is exact on those without splitting the activations (`kiln.kernels.packed_linear`), about twice
-as fast as exact W8A8 there, for a little more weight error. `quantized_layout` gives a model the
-same layers, empty, for a compressed-tensors checkpoint; with static activations each layer also
-holds one calibrated `input_scale`.
-Embeddings, norms and the LM head stay in the model dtype.
+the weight in int8 or fp8 with one scale per output channel (activations quantized at run time: int8's
+per token and block of 32 on a CPU, else per token), or for "int4" an `Int4Linear` holding 4-bit codes
+with a scale and a minimum per output channel and group of 32 input channels (W4A8: activations
+quantized per token and block of 32). "w7a8" is int8 with weight codes in [-63, 63] and per-token
+activations: on x86 CPUs without VNNI, fbgemm's int8 GEMM is exact on those without splitting the
+activations (`kiln.kernels.packed_linear`). `quantized_layout` gives a model the same layers, empty,
+for a compressed-tensors checkpoint; with static activations each layer also holds one calibrated
+`input_scale`. Embeddings, norms and the LM head stay in the model dtype.
 """
 
 from dataclasses import dataclass
@@ -19,7 +19,7 @@ from torch import nn
 
 from kiln.errors import KilnError
 from kiln.kernels import packed_linear, quantize_weight
-from kiln.kernels.quant import INT4_BLOCK, INT4_GROUP, quantize_weight_int4
+from kiln.kernels.quant import ACT_BLOCK, INT4_GROUP, quantize_weight_int4
 
 ops = torch.ops.kiln
 
@@ -43,35 +43,31 @@ def check_scheme(name: str | None) -> str | None:
     return name
 
 
-def cpu_note(scheme: str | None) -> str | None:
-    """For the start-up lines on a CPU: where int8's GEMM is exact only split (no VNNI), that w7a8 is
-    the faster int8 there; None where that does not apply."""
-    if scheme != "int8" or packed_linear.int8_gemm_exact() or not packed_linear.fbgemm_available():
-        return None
-    return ("int8 on a CPU without VNNI: exact W8A8 runs each activation row as two in fbgemm's int8 GEMM; "
-            "--quantization w7a8 (7-bit weight codes) runs it unsplit, about twice as fast at batch 16, "
-            "for a little more weight error (benchmarks/quantization.py reports both)")
-
-
 class QuantLinear(nn.Module):
     """y = quant(x) @ W_q.T * scales + bias, in the dtype of x. `weight` [N, K] is int8 or fp8,
-    `weight_scale` [N] fp32; `input_scale` (static per-tensor activations) is None for per-token."""
+    `weight_scale` [N] fp32; `input_scale` (static per-tensor activations) is None for dynamic ones, which
+    are quantized per token, or on a CPU per token and block of `act_block` input channels where that is set
+    (int8: what llama.cpp's Q8_0 dot products do; cuBLAS's int8 GEMM takes per-token scales only)."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                 input_scale: torch.Tensor | None = None):
+                 input_scale: torch.Tensor | None = None, act_block: int = 0):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.input_scale = nn.Parameter(input_scale, requires_grad=False) if input_scale is not None else None
+        self.act_block = act_block
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scheme: str) -> "QuantLinear":
         q, scale = quantize_weight(linear.weight.detach(), SCHEMES[scheme].dtype, SCHEMES[scheme].weight_max)
         bias = linear.bias.detach() if linear.bias is not None else None
-        return cls(q, scale, bias)
+        return cls(q, scale, bias, act_block=act_block(scheme, q.shape[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_block and self.input_scale is None and x.device.type == "cpu":
+            q, s = ops.quant_int8_blocked(x, self.act_block)
+            return ops.int8_block_mm(q, s, self.weight, self.weight_scale, x.dtype, self.bias)
         quant = ops.quant_int8 if self.weight.dtype == torch.int8 else ops.quant_fp8
         q, s = quant(x, self.input_scale)
         return ops.scaled_mm(q, self.weight, s, self.weight_scale, x.dtype, self.bias)
@@ -98,8 +94,14 @@ class Int4Linear(nn.Module):
         return cls(codes, scales, mins, linear.bias.detach() if linear.bias is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, s = ops.quant_int8_blocked(x, INT4_BLOCK)
+        q, s = ops.quant_int8_blocked(x, ACT_BLOCK)
         return ops.int4_block_mm(q, s, self.weight, self.weight_scale, self.weight_min, x.dtype, self.bias)
+
+
+def act_block(scheme: str, k: int) -> int:
+    """The activation block of a dynamic projection of `k` input channels under `scheme`: ACT_BLOCK for int8
+    where it divides k, else 0 (per token: fp8, w7a8, whose fbgemm kernel multiplies whole rows)."""
+    return ACT_BLOCK if scheme == "int8" and k % ACT_BLOCK == 0 else 0
 
 
 def quantized_linear(linear: nn.Linear, scheme: str) -> nn.Module:
@@ -167,7 +169,8 @@ def quantized_layout(model: nn.Module, scheme: str, static_input: bool, group_si
             return Int4Linear(torch.empty((n, k // 2), dtype=torch.uint8, device=w.device), *groups, bias)
         input_scale = torch.empty(1, dtype=torch.float32, device=w.device) if static_input else None
         return QuantLinear(torch.empty(w.shape, dtype=dtype, device=w.device),
-                           torch.empty(w.shape[0], dtype=torch.float32, device=w.device), bias, input_scale)
+                           torch.empty(w.shape[0], dtype=torch.float32, device=w.device), bias, input_scale,
+                           act_block(scheme, w.shape[1]))
 
     _swap_projections(model, empty)
     model.quantization = scheme

@@ -12,7 +12,8 @@ candidate must first give the baseline's numbers (an int8 kernel that saturates 
 chosen); of those faster than the baseline at every count measured, the fastest in total wins. fp8
 weights are always widened and packed once (torch's form widens them on every call), and int4 weights
 always run on kiln's W4A8 panel GEMM where it runs (AVX2 or AVX-512; torch's form dequantizes them on
-every call); projections
+every call); int8 weights with activation blocks (CPU int8) are timed on kiln's blocked int8 panel GEMM
+against torch's form, which widens both operands for its float GEMM; projections
 too small to time apart keep torch's GEMM. A later range keeps an earlier range's packed format where
 that still beats torch's GEMM, so a weight is packed once where it can be; where the earlier format
 loses there (kiln's int8 panel GEMM on prefill chunks), the weight is held in both forms, or both
@@ -32,7 +33,7 @@ from torch._guards import detect_fake_mode
 
 from kiln.kernels import gemms
 from kiln.kernels.gemms import INT8_KINDS, GemmCandidate, Projection
-from kiln.kernels.quant import INT4_BLOCK
+from kiln.kernels.quant import ACT_BLOCK
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ MAX_COPIES = 32
 MIN_TIMED_ELEMENTS = 1 << 19
 """A projection of fewer weight elements (N x K) takes microseconds with either kernel: its timing is
 noise (it would pick kernels, and split variants, at random), so torch's GEMM is kept untimed."""
+BLOCKED_KINDS = ("int4", "int8_blocked")
+"""Kinds whose activations have a scale per token and block of ACT_BLOCK."""
 TIME_BUDGET_S = 0.1
 """About how long one candidate is timed at one token count."""
 
@@ -64,7 +67,8 @@ TIME_BUDGET_S = 0.1
 class GemmChoice:
     """One weight signature's decision: the median milliseconds of each candidate at each count."""
 
-    kind: str  # "float" (mm/addmm), "int8", "w7a8" (int8 with 7-bit weight codes), "fp8" (scaled_mm), "int4"
+    kind: str  # "float" (mm/addmm), "int8", "w7a8" (int8 with 7-bit weight codes), "fp8" (scaled_mm), "int4",
+    # "int8_blocked" (int8 with activation blocks)
     shape: tuple[int, int]  # the weight's [N, K]
     dtype: str
     kernel: str  # the id of the candidate chosen (`kiln.kernels.gemms`): a packed one's is its weight format
@@ -205,6 +209,12 @@ def _site(node: fx.Node, int8_kind: str = "int8") -> tuple[Projection, fx.Node] 
         val = weight.meta["val"]
         return Projection("int4", tuple(val.shape), val.dtype, bias is not None, out_dtype,
                           groups=scales.meta["val"].shape[1]), weight
+    if node.target is ops.int8_block_mm.default:
+        _, _, weight, _, out_dtype, bias = _int8_block_args(node)
+        if not _is_cpu_input(weight):
+            return None
+        val = weight.meta["val"]
+        return Projection("int8_blocked", tuple(val.shape), val.dtype, bias is not None, out_dtype), weight
     if node.target is ops.scaled_mm.default:
         weight = node.args[1]
         if not _is_cpu_input(weight):
@@ -247,7 +257,7 @@ def _only_read_by_gemms(weight: fx.Node) -> bool:
     """A packed weight is opaque: every reader must be a projection this pass rewrites."""
     for user in weight.users:
         if user.target is ops.scaled_mm.default and user.args[1] is weight or \
-                user.target is ops.int4_block_mm.default and user.args[2] is weight:
+                user.target in (ops.int4_block_mm.default, ops.int8_block_mm.default) and user.args[2] is weight:
             continue
         if _transposed_weight(user) is weight and all(_site(u) is not None for u in user.users):
             continue
@@ -276,13 +286,17 @@ def _rewrite(graph: fx.Graph, node: fx.Node, weight: fx.Node, candidate: GemmCan
             a, a_scale, _, scales, mins, out_dtype, bias = _int4_args(node)
             out = _epilogue(graph, candidate.emit(insert, a, weight, (a_scale, scales, mins)), None, None, bias,
                             out_dtype)
+        elif node.target is ops.int8_block_mm.default:
+            a, a_scale, _, b_scale, out_dtype, bias = _int8_block_args(node)
+            out = _epilogue(graph, candidate.emit(insert, a, weight, a_scale), None, b_scale, bias, out_dtype)
         elif node.target is ops.scaled_mm.default:
             a, _, a_scale, b_scale, out_dtype, bias = _scaled_mm_args(node)
             out = _epilogue(graph, candidate.emit(insert, a, weight, None), a_scale, b_scale, bias, out_dtype)
         else:
             x, bias = (node.args[0], None) if node.target is aten.mm.default else (node.args[1], node.args[0])
             out = candidate.emit(insert, x, weight, bias)
-    transposed = None if node.target in (ops.scaled_mm.default, ops.int4_block_mm.default) else \
+    transposed = None if node.target in (ops.scaled_mm.default, ops.int4_block_mm.default,
+                                         ops.int8_block_mm.default) else \
         node.args[1] if node.target is aten.mm.default else node.args[2]
     node.replace_all_uses_with(out)
     graph.erase_node(node)
@@ -298,6 +312,12 @@ def _scaled_mm_args(node: fx.Node) -> tuple:
 
 def _int4_args(node: fx.Node) -> tuple:
     names = ("a", "a_scale", "b", "b_scale", "b_min", "out_dtype", "bias")
+    values = dict(zip(names, node.args)) | dict(node.kwargs)
+    return tuple(values.get(n) for n in names)
+
+
+def _int8_block_args(node: fx.Node) -> tuple:
+    names = ("a", "a_scale", "b", "b_scale", "out_dtype", "bias")
     values = dict(zip(names, node.args)) | dict(node.kwargs)
     return tuple(values.get(n) for n in names)
 
@@ -384,7 +404,7 @@ def _measure(sig: Projection, tokens: tuple[int, ...], timer: Timer,
 
 def _random_weight(sig: Projection, generator: torch.Generator) -> torch.Tensor:
     n, k = sig.shape
-    if sig.kind in INT8_KINDS:
+    if sig.kind in (*INT8_KINDS, "int8_blocked"):
         top = sig.code_max
         return torch.randint(-top, top + 1, (n, k), generator=generator, dtype=torch.int8)
     if sig.kind == "int4":
@@ -400,7 +420,7 @@ def _random_input(sig: Projection, tokens: int, generator: torch.Generator) -> l
     codes = torch.randint(-127, 128, (tokens, k), generator=generator, dtype=torch.int8)
     if sig.kind == "fp8":
         codes = (torch.randn(tokens, k, generator=generator) * 50).to(torch.float8_e4m3fn)
-    blocks = k // INT4_BLOCK if sig.kind == "int4" else 1  # int4's activations: a scale per block
+    blocks = k // ACT_BLOCK if sig.kind in BLOCKED_KINDS else 1  # a scale per block
     return [codes, torch.rand(tokens, blocks, generator=generator) * 0.01 + 1e-4]
 
 
@@ -422,7 +442,7 @@ def _runner(sig: Projection, candidate: GemmCandidate, weights: list[torch.Tenso
 def _differs(sig: Projection, runs: dict[str, Callable], generator: torch.Generator) -> str | None:
     """Why the candidate's numbers are not the baseline's (both on the same weight copy), or None."""
     x = _random_input(sig, 7, generator)
-    if sig.kind in (*INT8_KINDS, "int4"):  # the extreme codes, where a saturating kernel goes wrong
+    if sig.kind in (*INT8_KINDS, *BLOCKED_KINDS):  # the extreme codes, where a saturating kernel goes wrong
         x[0] = torch.where(torch.rand(x[0].shape, generator=generator) < 0.5, 127, -127).to(torch.int8)
     ref, got = (run(*x).float() for run in runs.values())
     tolerance = 1e-4 if sig.dtype.itemsize >= 4 or sig.kind != "float" else 2e-2

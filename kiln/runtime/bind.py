@@ -14,13 +14,13 @@ from torch import nn
 
 from kiln.compiler import usage
 from kiln.compiler.aoti import LoadedLibrary
-from kiln.compiler.artifact import (HEAD_TENSOR_ARGS, MANIFEST, PROGRAMS, RECOMPILE, ArtifactError, blob_path,
-                                    install_triton_kernels, lm_head_libraries, verify)
+from kiln.compiler.artifact import (BLOCKED_HEAD_TENSOR_ARGS, HEAD_TENSOR_ARGS, MANIFEST, PROGRAMS, RECOMPILE,
+                                    ArtifactError, blob_path, install_triton_kernels, lm_head_libraries, verify)
 from kiln.compiler.contract import GraphInput, weight_indices
 from kiln.compiler.counters import counters
 from kiln.config import dtype_name
 from kiln.errors import KilnError
-from kiln.kernels import decode_attention, greedy_screen
+from kiln.kernels import decode_attention, gemms, greedy_screen
 from kiln.runtime.program import ByTokenCount, CompiledProgram, PackedWeights, SizedPiece, load_program
 from kiln.weights.pack_cache import PackFile, Slot
 from kiln.weights.packing import RELEASED, pack_lm_head, pack_slots, pack_weights
@@ -95,7 +95,8 @@ def _bind(path: Path, manifest: dict, model: nn.Module, release_weights: bool,
             )
         program = path / PROGRAMS / f"{i}.py"
         forwards.append(load_program(program.read_text(), str(program), pieces, decode_kernel))
-    head_gemms = {format: library(entry, HEAD_TENSOR_ARGS) for format, entry in lm_head_libraries(manifest).items()}
+    head_gemms = {format: library(entry, BLOCKED_HEAD_TENSOR_ARGS if format == gemms.PANELS8_INT8_BLOCK.id
+                                  else HEAD_TENSOR_ARGS) for format, entry in lm_head_libraries(manifest).items()}
     screen = manifest.get("libraries", {}).get(greedy_screen.LIBRARY)
     screen_kernel = library(screen, greedy_screen.LIBRARY_ARGS) if screen is not None else None
     # packing last: everything that can fail has loaded, so no weight is released for a failed load

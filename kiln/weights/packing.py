@@ -75,6 +75,7 @@ def _refuse_eager_run(model: nn.Module, args) -> None:
 HEAD = "lm_head"
 """The LM head's name among packed weights (a tied head's weight is the embedding's)."""
 PANELS_INT8 = gemms.PANELS16_INT8.id
+PANELS8_INT8_BLOCK = gemms.PANELS8_INT8_BLOCK.id
 """The int8 panel GEMM an artifact may ship for an int8 head, which then runs on it."""
 
 
@@ -86,7 +87,9 @@ def pack_slots(model: nn.Module, formats: list[dict[str, str]], head_choice: dic
     slots = [pack_cache.slot(name, fmt, weights[name]) for f in formats for name, fmt in f.items()]
     int8_head = getattr(model, "lm_head_kernel", None)
     if isinstance(int8_head, Int8Head):
-        if PANELS_INT8 in libraries and not int8_head.packed:
+        if PANELS8_INT8_BLOCK in libraries and int8_head.blocks and not int8_head.packed:
+            slots.append(pack_cache.slot(HEAD, PANELS8_INT8_BLOCK, int8_head.codes))
+        elif PANELS_INT8 in libraries and not int8_head.packed:
             slots.append(pack_cache.slot(HEAD, PANELS_INT8, int8_head.codes))
     elif int8_head is None and head_choice is not None and head_choice.get("format") is not None:
         slots.append(pack_cache.slot(HEAD, head_choice["format"], model.lm_head_weight()))
@@ -104,8 +107,11 @@ def pack_lm_head(model: nn.Module, choice: dict | None, libraries: dict[str, Cal
     packer = functools.partial(packs.pack, HEAD) if packs is not None else None
     int8_head = getattr(model, "lm_head_kernel", None)
     if isinstance(int8_head, Int8Head):
-        panels = libraries.get(PANELS_INT8)
-        if panels is not None and int8_head.run_on_panels(_head_gemm(panels), packer, screen):
+        panels, blocked = libraries.get(PANELS_INT8), libraries.get(PANELS8_INT8_BLOCK)
+        if blocked is not None and int8_head.run_on_blocked_panels(
+                lambda a, a_scale, weight: blocked(a.contiguous(), a_scale, weight)[0], packer):
+            logger.info("the int8 LM head runs on the artifact's blocked int8 panel GEMM (activations per 32)")
+        elif panels is not None and int8_head.run_on_panels(_head_gemm(panels), packer, screen):
             logger.info("the int8 LM head runs on the artifact's int8 panel GEMM%s",
                         ", its greedy tokens in one kernel" if screen is not None else "")
         int8_head.pack()

@@ -127,13 +127,13 @@ def test_pieces_calling_kiln_ops_ship_their_call_tables(packed_artifact):
 def test_damaged_artifact_names_its_cause(tmp_path, demo_dirs, llama_artifact, packed_artifact, damage, capsys):
     tables = damage == "damaged call table"
     source = packed_artifact if tables else llama_artifact  # only it has call tables (an int8 one)
-    quantization = ["--quantization", "int8"] if tables else []
+    quantization = ["--quantization", "w7a8"] if tables else []
     cache = _copy(source, tmp_path)
     hurt, message = DAMAGE[damage]
     hurt(cache / source.name)
     with pytest.raises(artifact.ArtifactError, match="run `kiln compile` again") as err:
         LLM(demo_dirs["llama"], compile=True, cache_dir=cache, require_artifact=True,
-            quantization="int8" if tables else None)
+            quantization="w7a8" if tables else None)
     assert re.search(message, str(err.value))
     assert not any(re.search(m, str(err.value)) for d, (_, m) in DAMAGE.items() if d != damage)  # one cause each
     argv = ["generate", str(demo_dirs["llama"]), "--prompt", "x", "--require-artifact", "--cache-dir", str(cache),

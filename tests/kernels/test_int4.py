@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kiln.kernels import panel_linear
-from kiln.kernels.quant import (INT4_BLOCK, dequantize_int4, int4_block_mm, pack_nibbles, quant_int8_blocked,
+from kiln.kernels.quant import (ACT_BLOCK, dequantize_int4, int4_block_mm, pack_nibbles, quant_int8_blocked,
                                 quantize_weight_int4, unpack_nibbles)
 
 
@@ -113,7 +113,7 @@ def test_panel_gemm_gives_the_references_numbers(m, n, k, group):
     a = torch.randint(-127, 128, (m, k), dtype=torch.int8)
     a[0, : k // 2] = 127
     a[-1] = -128
-    a_scale = torch.rand(m, k // INT4_BLOCK) * 0.01 + 1e-4
+    a_scale = torch.rand(m, k // ACT_BLOCK) * 0.01 + 1e-4
     scales = (torch.rand(n, k // group) * 0.01 + 1e-3).half()
     mins = (-torch.rand(n, k // group) * 0.05).half()
     plain = pack_nibbles(codes)

@@ -8,6 +8,7 @@ import torch
 from kiln import LLM, KilnError, SamplingParams
 from kiln.compiler import artifact
 from kiln.kernels import packed_linear, panel_linear, quantize_weight
+from kiln.kernels.quant import ACT_BLOCK, int8_block_mm, quant_int8_blocked
 from kiln.models.lm_head import GreedyScreen, Int8Head, PackedHead
 from tests.oracle import PROMPTS
 
@@ -31,10 +32,21 @@ def test_compiled_program_keeps_the_int8_head(demo_dirs, kiln_cache):
     llm = LLM(demo_dirs["llama"], compile=True, cache_dir=kiln_cache, lm_head_quantization="int8")
     eager = LLM(demo_dirs["llama"], lm_head_quantization="int8")
     hidden = torch.randn(3, llm.model_config.hidden_size)
+    manifest = artifact.read_manifest(llm.artifact_path)
+    if "panels8_int8_blocked" in artifact.lm_head_libraries(manifest):
+        # an AVX2 CPU: the artifact's blocked int8 GEMM runs the head, activations per token and block of 32
+        # as the projections' (eager runs it per token, on torch's or oneDNN's int8 GEMM)
+        head = llm.model.lm_head_kernel
+        assert head.kernel == "panels8_int8_blocked" and not head.screens
+        plain = panel_linear.unpack_int8_blocked(head.codes)
+        assert torch.equal(plain, quantize_weight(llm.model.lm_head_weight(), torch.int8)[0])
+        a, a_scale = quant_int8_blocked(hidden, ACT_BLOCK)
+        want = int8_block_mm(a, a_scale, plain, head.scale, torch.float32)
+        torch.testing.assert_close(llm.engine.runner.compute_logits(hidden), want, rtol=1e-5, atol=1e-5)
+        return
     # the artifact may ask for a packed fp32 head; the int8 head asked for wins, on the artifact's int8
     # panel GEMM where it ships one: the same integer sums, the same logits
     torch.testing.assert_close(llm.engine.runner.compute_logits(hidden), eager.model.compute_logits(hidden))
-    manifest = artifact.read_manifest(llm.artifact_path)
     shipped = "panels16_int8" in artifact.lm_head_libraries(manifest)
     assert (llm.model.lm_head_kernel.kernel == "panels16_int8") == shipped
     # greedy steps take the head's argmax from the greedy screen's library exactly where the artifact ships
@@ -189,7 +201,7 @@ def test_compiled_greedy_decoding_runs_on_the_screen(demo_dirs, packed_artifact,
     logits."""
     from kiln.models import lm_head
 
-    options = dict(compile=True, require_artifact=True, cache_dir=packed_artifact.parent, quantization="int8")
+    options = dict(compile=True, require_artifact=True, cache_dir=packed_artifact.parent, quantization="w7a8")
     monkeypatch.setattr(lm_head, "screen_kernel", lambda: None)
     logits = LLM(demo_dirs["llama"], **options)
     assert logits.engine.runner.greedy_tokens is None

@@ -123,20 +123,6 @@ def test_schemes_are_the_clis_choices():
     assert tuple(SCHEMES) == QUANTIZATIONS
 
 
-def test_int8_start_suggests_w7a8_where_the_rows_are_split(demo_dirs, monkeypatch):
-    from kiln.kernels import packed_linear
-
-    llm = LLM(demo_dirs["llama"], quantization="int8")
-    for exact in (False, True):
-        monkeypatch.setattr(packed_linear, "int8_gemm_exact", lambda weight_max=127, exact=exact: exact)
-        note = llm.quantization_note
-        assert (note is not None) == (not exact and packed_linear.fbgemm_available())
-        assert note is None or "--quantization w7a8" in note
-    monkeypatch.setattr(packed_linear, "int8_gemm_exact", lambda weight_max=127: False)
-    assert LLM(demo_dirs["llama"], quantization="w7a8").quantization_note is None
-    assert LLM(demo_dirs["llama"]).quantization_note is None
-
-
 def test_unknown_scheme_is_refused(demo_dirs):
     with pytest.raises(KilnError, match="unknown quantization 'int3'; choose from int8, w7a8, fp8, int4"):
         LLM(demo_dirs["llama"], quantization="int3")
@@ -144,14 +130,15 @@ def test_unknown_scheme_is_refused(demo_dirs):
 
 @pytest.mark.parametrize("scheme", ["int8", "w7a8"])
 def test_int8_artifact_on_packed_int8_weights_equals_int8_eager(demo_dirs, tmp_path, monkeypatch, scheme):
-    """The int8 GEMM the CPU choice prefers (fbgemm's without VNNI, split for 8-bit weight codes and
-    whole for 7-bit ones; oneDNN's with VNNI), compiled into the artifact: its weights packed at load
-    reach the kernel through AOTInductor's op calls."""
+    """The int8 GEMM the CPU choice prefers (int8: kiln's panel GEMM with activation blocks; w7a8: fbgemm's
+    without VNNI, oneDNN's with it), compiled into the artifact: its weights packed at load reach the kernel
+    through AOTInductor's op calls."""
     from kiln.kernels import gemms, packed_linear
     from kiln.passes import gemm_choice
 
-    kernel = "onednn_int8" if packed_linear.int8_gemm_exact() else f"fbgemm_{scheme}"
-    if gemms.BY_ID[kernel].unavailable(gemms.Projection(scheme, (8, 8), torch.int8, False)):
+    kernel, kind = ("panels8_int8_blocked", "int8_blocked") if scheme == "int8" else \
+        ("onednn_int8" if packed_linear.int8_gemm_exact() else "fbgemm_w7a8", scheme)
+    if gemms.BY_ID[kernel].unavailable(gemms.Projection(kind, (8, 32), torch.int8, False)):
         pytest.skip(f"{kernel} is not available here")
     monkeypatch.setattr(gemm_choice, "_streamed_time", lambda fn, args: 0.5 if fn.kernel == kernel else 2.0)
     monkeypatch.setattr(gemm_choice, "MIN_TIMED_ELEMENTS", 0)  # the demo's projections are time-worthy here

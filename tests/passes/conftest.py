@@ -11,6 +11,7 @@ from kiln.runtime.program import CompiledProgram, PackedWeights
 from kiln.weights.packing import pack_weights
 from kiln.compiler.trace import TracedBackbone, trace_backbone
 from kiln.config import EngineConfig
+from kiln.models.quantization import QuantLinear
 from kiln.runtime.engine import Engine
 from tests.oracle import PROMPTS
 from tests.quant_checkpoints import calibrate, write_compressed
@@ -20,13 +21,19 @@ SCHEMES = ["int8", "fp8", "int8-static", "fp8-static"]
 
 @pytest.fixture(scope="session")
 def quantized_llms(demo_dirs, hf_models, tmp_path_factory) -> dict[str, LLM]:
-    """The demo llama quantized six ways: online per-token int8/fp8 (and w7a8, int8 with 7-bit weight
-    codes: its activations are int8's; and int4, W4A8 in groups), and compressed-tensors checkpoints with calibrated static
-    activation scales. On the CPU on any machine: the GEMM choice these tests check is the CPU's, and int4
+    """The demo llama quantized seven ways: online per-token int8/fp8 (int8 as a GPU runs it: on a CPU
+    `--quantization int8` quantizes activations per block of 32, "int8-blocked"; and w7a8, int8 with 7-bit
+    weight codes: its activations are per-token int8's; and int4, W4A8 in groups), and compressed-tensors
+    checkpoints with calibrated static activation scales. On the CPU on any machine: the GEMM choice these tests check is the CPU's, and int4
     runs there only (a GPU machine's default device refuses it)."""
     amax = calibrate(hf_models["llama"], demo_dirs["llama"])
     root = tmp_path_factory.mktemp("static")
     llms = {s: LLM(demo_dirs["llama"], quantization=s, device="cpu") for s in ("int8", "w7a8", "fp8", "int4")}
+    llms["int8-blocked"] = llms["int8"]
+    llms["int8"] = LLM(demo_dirs["llama"], quantization="int8", device="cpu")
+    for module in llms["int8"].model.modules():
+        if isinstance(module, QuantLinear):
+            module.act_block = 0
     for s in ("int8", "fp8"):
         llms[f"{s}-static"] = LLM(write_compressed(demo_dirs["llama"], root / s, s, input_amax=amax), device="cpu")
     llms[None] = LLM(demo_dirs["llama"], device="cpu")

@@ -87,9 +87,10 @@ def test_slower_kernel_is_not_chosen(traced_graphs):
     assert traced.graph.code == before
 
 
-QUANT_KERNELS = [(scheme, kernel) for scheme in SCHEMES + ["w7a8"]
-                 for kernel in [c.id for c in gemms.for_kind(scheme.split("-")[0])]]
-OPS = {"onednn_int8": ops.onednn_int8_linear, "fbgemm_int8": ops.fbgemm_rows_linear, "widened": aten.mm,
+KINDS = {"int8-blocked": "int8_blocked"}  # a scheme's projection kind, where it is not the scheme's name
+QUANT_KERNELS = [(scheme, kernel) for scheme in SCHEMES + ["w7a8", "int8-blocked"]
+                 for kernel in [c.id for c in gemms.for_kind(KINDS.get(scheme, scheme.split("-")[0]))]]
+OPS = {"panels8_int8_blocked": ops.panel_int8_block_linear, "onednn_int8": ops.onednn_int8_linear, "fbgemm_int8": ops.fbgemm_rows_linear, "widened": aten.mm,
        "fbgemm_w7a8": ops.fbgemm_rows_linear, "panels16_int8": ops.panel_int8_linear,
        "onednn_fp8_as_fp32": ops.onednn_linear}
 
@@ -98,15 +99,15 @@ OPS = {"onednn_int8": ops.onednn_int8_linear, "fbgemm_int8": ops.fbgemm_rows_lin
 def test_quantized_projections_move_to_packed_weights(quantized_llms, traced_graphs, scheme, kernel):
     llm, traced = quantized_llms[scheme], fresh(traced_graphs[scheme])
     layers = llm.model_config.num_layers
-    kind = scheme.split("-")[0]
-    sig = gemms.Projection(kind, (64, 8), torch.float8_e4m3fn if kind == "fp8" else torch.int8, False)
+    kind = KINDS.get(scheme, scheme.split("-")[0])
+    sig = gemms.Projection(kind, (64, 32), torch.float8_e4m3fn if kind == "fp8" else torch.int8, False)
     if (why := gemms.BY_ID[kernel].unavailable(sig)) is not None:
         pytest.skip(f"{kernel}: {why}: never chosen here")
-    chooser = GemmChooser(timer=packed_faster(fastest=kernel), quantization=kind)
+    chooser = GemmChooser(timer=packed_faster(fastest=kernel), quantization=scheme.split("-")[0])
     choices, formats = chooser(traced.graph.graph, (1, 16))
     traced.graph.recompile()
     graph = traced.graph.graph
-    assert count_ops(graph, ops.scaled_mm) == 0
+    assert count_ops(graph, ops.scaled_mm) == count_ops(graph, ops.int8_block_mm) == 0
     assert count_ops(graph, OPS[kernel]) == 4 * layers
     if kernel == "onednn_int8":  # the uint8 shift casts through int32: Inductor runs int16 casts as scalar loops
         assert not any(n.kwargs.get("dtype") == torch.int16 for n in graph.nodes)
@@ -116,7 +117,7 @@ def test_quantized_projections_move_to_packed_weights(quantized_llms, traced_gra
     # int8: the same int32 sums and scale products as scaled_mm. fp8: oneDNN sums the fp32 products in
     # another order than torch's GEMM, and a requantized activation can round the other way (one fp8
     # step is 1/16 of a value): up to 8e-4 measured on an AVX2 EPYC, 1e-4 on an AVX512 one
-    atol = 1e-5 if kind in gemm_choice.INT8_KINDS else 2e-3
+    atol = 1e-5 if kind in gemm_choice.INT8_KINDS else 1e-4 if kind == "int8_blocked" else 2e-3
     assert_same_outputs(llm, traced, traced_graphs[scheme], _weight_names(traced, formats), atol)
 
 
@@ -130,6 +131,21 @@ def test_int8_without_the_packed_kernel_calls_int_mm_in_the_graph(quantized_llms
     assert formats == {} and {c.kernel for c in choices} == {"aten"}
     assert count_ops(graph, ops.scaled_mm) == 0 and count_ops(graph, aten._int_mm) == 4 * layers
     assert_same_outputs(llm, traced, traced_graphs["int8"])  # scaled_mm's own arithmetic, in its order
+
+
+def test_blocked_int8_without_the_panel_gemm_dequantizes_in_the_graph(quantized_llms, traced_graphs):
+    """On a CPU `--quantization int8` quantizes activations per block of 32; torch's form of its GEMM widens
+    both operands in the graph for torch's float GEMM (what a prefill chunk may run faster), its weight
+    scales after it."""
+    llm, traced = quantized_llms["int8-blocked"], fresh(traced_graphs["int8-blocked"])
+    layers = llm.model_config.num_layers
+    assert count_ops(traced.graph.graph, ops.int8_block_mm) == 4 * layers
+    choices, formats = GemmChooser(timer=lambda fn, args: 1.0)(traced.graph.graph, (1, 1))  # a tie: torch's
+    traced.graph.recompile()
+    graph = traced.graph.graph
+    assert formats == {} and {(c.kind, c.kernel) for c in choices} == {("int8_blocked", "aten")}
+    assert count_ops(graph, ops.int8_block_mm) == 0 and count_ops(graph, aten.mm) == 4 * layers
+    assert_same_outputs(llm, traced, traced_graphs["int8-blocked"], atol=1e-4)
 
 
 @pytest.mark.parametrize("panels", [True, False])
