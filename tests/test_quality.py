@@ -95,15 +95,11 @@ def test_kiln_is_transformers_on_the_real_model(real_model, reference, tmp_path)
 def test_int4_loses_no_more_than_llama_cpps_q4_k_m(real_model, reference):
     """kiln's int4 with its int8 LM head (as `peers.py` runs it), eager: its perplexity over the whole text
     within Q4_K_M's increase over full precision (it measured +0.9% where the symmetric recipe lost 56%)."""
-    from kiln import LLM, SamplingParams
+    from kiln import LLM
 
     _, chunks, _, hf = reference
     llm = LLM(real_model, quantization="int4", lm_head_quantization="int8")
-    scored = []
-    for i in range(0, len(chunks), 4):
-        for out in llm.generate(chunks[i:i + 4], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)):
-            scored += quality.scored_logprobs(out.prompt_logprobs, 256)
-    fp32, int4 = quality.perplexity(hf["logprobs"]), quality.perplexity(scored)
+    fp32, int4 = quality.perplexity(hf["logprobs"]), _perplexity(llm, chunks)
     assert len(chunks) == 33 and fp32 < int4 <= fp32 * (1 + Q4_K_M_INCREASE), (fp32, int4)
 
 
@@ -111,13 +107,20 @@ def test_int8_loses_no_more_than_one_percent(real_model, reference):
     """kiln's int8 (W8A8, activations per token and block of 32, as llama.cpp's Q8_0 dot products), eager, on
     the fp32 LM head: its perplexity over the whole text within +1.0% of full precision (activations per token,
     with the int8 head, lost +2.6%; llama.cpp's Q8_0 loses +0.6%)."""
-    from kiln import LLM, SamplingParams
+    from kiln import LLM
 
     _, chunks, _, hf = reference
     llm = LLM(real_model, quantization="int8")
+    fp32, int8 = quality.perplexity(hf["logprobs"]), _perplexity(llm, chunks)
+    assert fp32 < int8 <= fp32 * 1.010, (fp32, int8)
+
+
+def _perplexity(llm, chunks: list[list[int]]) -> float:
+    """`llm`'s perplexity over `chunks` by llama-perplexity's protocol (`prompt_logprobs`, 4 windows a call)."""
+    from kiln import SamplingParams
+
     scored = []
     for i in range(0, len(chunks), 4):
         for out in llm.generate(chunks[i:i + 4], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)):
             scored += quality.scored_logprobs(out.prompt_logprobs, 256)
-    fp32, int8 = quality.perplexity(hf["logprobs"]), quality.perplexity(scored)
-    assert fp32 < int8 <= fp32 * 1.010, (fp32, int8)
+    return quality.perplexity(scored)

@@ -159,7 +159,7 @@ def test_int4_projections_run_on_the_panel_gemm_or_dequantize_in_the_graph(quant
     if panels and (why := gemms.PANELS8_INT4.unavailable(probe)) is not None:
         pytest.skip(f"panels8_int4: {why}: never chosen here")
     if not panels:
-        monkeypatch.setattr(panel_linear, "available", lambda shape, dtype, groups=0: "no AVX2 (stand-in)")
+        monkeypatch.setattr(panel_linear, "available", lambda shape, dtype, groups=0, blocked=False: "no AVX2 (stand-in)")
     timed = []
     choices, formats = GemmChooser(timer=packed_faster(timed))(traced.graph.graph, (1, 16))
     traced.graph.recompile()
