@@ -110,9 +110,9 @@ def test_compiled_model_on_the_panel_gemm_decodes_like_eager(scheme, demo_dirs, 
     from kiln.passes import gemm_choice
     from tests.oracle import PROMPTS
 
-    kernel = "panels16_int8" if scheme else "panels16"
+    kernel = "panels8_int8_blocked" if scheme else "panels16"  # int8's projections: activations per block of 32
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gemm_choice, "_streamed_time", lambda fn, args: 0.5 if fn.kernel.startswith("panels16") else 2.0)
+        mp.setattr(gemm_choice, "_streamed_time", lambda fn, args: 0.5 if fn.kernel.startswith("panels") else 2.0)
         mp.setattr(gemm_choice, "MIN_TIMED_ELEMENTS", 0)  # the demo's projections are time-worthy here
         compiled = LLM(demo_dirs["llama"], compile=True, cache_dir=tmp_path_factory.mktemp("panels"),
                        quantization=scheme)
@@ -139,6 +139,7 @@ def test_compiled_model_on_the_panel_gemm_decodes_like_eager(scheme, demo_dirs, 
     fail = lambda w: pytest.fail("the reference op ran, not the kernel")  # noqa: E731
     monkeypatch.setattr(panel_linear, "unpack", fail)
     monkeypatch.setattr(panel_linear, "unpack_int8", fail)
+    monkeypatch.setattr(panel_linear, "unpack_int8_blocked", fail)
     monkeypatch.setattr(lm_head.GreedyScreen, "_screen_logits", lambda self, h: fail(h))  # the screen's torch ops
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
     got = compiled.generate(PROMPTS, params)
