@@ -223,8 +223,9 @@ def _add_compile_options(parser: argparse.ArgumentParser, cache_dir: bool = True
     parser.add_argument("--max-num-tokens", type=int, default=2048, metavar="N", help="largest batch in tokens "
                         "the compiled pieces serve (default 2048)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, help="W8A8: weights per channel, "
-                        "activations per token (default: none). w7a8 is int8 with 7-bit weight codes: on x86 CPUs "
-                        "without VNNI its GEMMs run about twice as fast as exact int8's, for a little more error. "
+                        "activations per token, or for int8 on a CPU per token and block of 32, as llama.cpp's Q8_0 "
+                        "(default: none). w7a8 is int8 with 7-bit weight codes and per-token activations (fbgemm "
+                        "runs it unsplit on x86 CPUs without VNNI). "
                         "int4 is W4A8: 4-bit weights with a scale and a minimum per 32, int8 activations with a "
                         "scale per 32 (CPU only; AVX2 or AVX-512 runs it on kiln's own kernel)")
     parser.add_argument("--tensor-parallel-size", type=at_least(1), default=1, metavar="N", help="split the model "
@@ -254,7 +255,8 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
                         "request (default: the model's max_position_embeddings, capped to what the KV cache holds)")
 
     parser.add_argument("--lm-head-quantization", choices=LM_HEAD_QUANTIZATIONS, help="run the LM head on int8 "
-                        "weights (per channel) and activations (per token): a quarter of fp32's bytes, for large "
+                        "weights (per channel) and activations (per 32 where the artifact ships kiln's blocked int8 "
+                        "GEMM, else per token): a quarter of fp32's bytes, for large "
                         "vocabularies (w7a8: 7-bit weight codes, faster on x86 CPUs without VNNI); "
                         "benchmarks/quantization.py reports its effect on greedy outputs (default: the model dtype)")
 

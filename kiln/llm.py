@@ -36,8 +36,8 @@ class LLM:
     `$KILN_CACHE` or ~/.cache/kiln), compiling it first if it is absent or unusable;
     `require_artifact=True` runs it too, and makes a missing or broken artifact an error instead.
     `quantization="int8"` or `"fp8"` quantizes the decoder's projections (W8A8, per-channel weights,
-    per-token activations) after loading, unless the checkpoint is quantized already; `"w7a8"` is int8
-    with weight codes in [-63, 63], which x86 CPUs without VNNI multiply exactly about twice as fast.
+    per-token activations, int8's per token and block of 32 on a CPU) after loading, unless the checkpoint
+    is quantized already; `"w7a8"` is int8 with weight codes in [-63, 63] and per-token activations.
     `passes` adds the user's own graph passes (`kiln.passes.GraphPass`) to the compile; they are part
     of the artifact key.
     `dtype="auto"` runs in the checkpoint's dtype (config.json's `torch_dtype`); "float32",
@@ -50,7 +50,8 @@ class LLM:
     `tensor_parallel_size=N` splits the model over N processes started by `torchrun --nproc-per-node N`:
     every rank builds its share, and every rank returns the same outputs. `threads` sets the CPU
     threads (default: the machine's physical cores). `lm_head_quantization="int8"` (or "w7a8") runs the LM
-    head on int8 weights (per channel) and activations (per token): a quarter of fp32's bytes, for large
+    head on int8 weights (per channel) and activations (per 32 on an artifact's blocked int8 GEMM, else per
+    token): a quarter of fp32's bytes, for large
     vocabularies; `benchmarks/quantization.py` reports its effect on greedy outputs.
 
     >>> llm = LLM("path/to/model")
