@@ -159,6 +159,12 @@ def quant_int8_blocked_native(x: torch.Tensor, block: int) -> tuple[torch.Tensor
     return _quant_blocked_native(x, block)
 
 
+def dequantize_blocked(a: torch.Tensor, a_scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 activations [M, K] that int8 codes `a` with a scale per row and block of ACT_BLOCK stand for."""
+    m, k = a.shape
+    return (a.float().view(m, k // ACT_BLOCK, ACT_BLOCK) * a_scale.float()[..., None]).view(m, k)
+
+
 @torch.library.custom_op("kiln::int8_block_mm", mutates_args=())
 def int8_block_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                   out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -168,7 +174,7 @@ def int8_block_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     torch's float GEMM, a block of output channels at a time (products of int8 codes are exact in fp32; the
     kernel sums each block's in integers, fp32 in another order)."""
     m, k = a.shape
-    x = (a.float().view(m, k // ACT_BLOCK, ACT_BLOCK) * a_scale.float()[..., None]).view(m, k)
+    x = dequantize_blocked(a, a_scale)
     out = a.new_empty((m, b.shape[0]), dtype=torch.float32)
     rows = max(1, (1 << 20) // k)  # ~4 MB of fp32 weight at a time
     for i in range(0, b.shape[0], rows):
@@ -232,7 +238,7 @@ def int4_block_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
     a time (the kernel sums each block's integer products exactly; fp32 sums them in another order)."""
     n, groups = b_scale.shape
     m, k = a.shape
-    x = (a.float().view(m, k // ACT_BLOCK, ACT_BLOCK) * a_scale.float()[..., None]).view(m, k)
+    x = dequantize_blocked(a, a_scale)
     out = a.new_empty((m, n), dtype=torch.float32)
     rows = max(1, (1 << 20) // k)  # ~4 MB of fp32 weight at a time
     for i in range(0, n, rows):
