@@ -208,20 +208,21 @@ def _dequantized_int4_emit(insert: Insert, a, weight, extra):
     scale, low = (insert(aten.unsqueeze.default, (insert(aten._to_copy.default, (t,), {"dtype": torch.float32}), -1))
                   for t in (scales, mins))
     w = insert(aten.view.default, (insert(aten.add.Tensor, (insert(aten.mul.Tensor, (wide, scale)), low)), [n, 2 * half]))
+    return insert(aten.mm.default, (_dequantized_rows(insert, a, a_scale, 2 * half), insert(aten.t.default, (w,))))
+
+
+def _dequantized_rows(insert: Insert, a, a_scale, k: int):
+    """int8 activations [M, k] with a scale per row and block of ACT_BLOCK, as fp32 in graph ops
+    (`quant.dequantize_blocked`'s numbers)."""
     rows = insert(aten.view.default, (insert(aten._to_copy.default, (a,), {"dtype": torch.float32}),
-                                      [-1, 2 * half // quant.ACT_BLOCK, quant.ACT_BLOCK]))
-    x = insert(aten.view.default, (insert(aten.mul.Tensor, (rows, insert(aten.unsqueeze.default, (a_scale, -1)))),
-                                   [-1, 2 * half]))
-    return insert(aten.mm.default, (x, insert(aten.t.default, (w,))))
+                                      [-1, k // quant.ACT_BLOCK, quant.ACT_BLOCK]))
+    return insert(aten.view.default, (insert(aten.mul.Tensor, (rows, insert(aten.unsqueeze.default, (a_scale, -1)))),
+                                      [-1, k]))
 
 
 def _dequantized_int8_blocked_emit(insert: Insert, a, weight, a_scale):
-    k = weight.meta["val"].shape[1]
     wide = insert(aten._to_copy.default, (weight,), {"dtype": torch.float32})
-    rows = insert(aten.view.default, (insert(aten._to_copy.default, (a,), {"dtype": torch.float32}),
-                                      [-1, k // quant.ACT_BLOCK, quant.ACT_BLOCK]))
-    x = insert(aten.view.default, (insert(aten.mul.Tensor, (rows, insert(aten.unsqueeze.default, (a_scale, -1)))),
-                                   [-1, k]))
+    x = _dequantized_rows(insert, a, a_scale, weight.meta["val"].shape[1])
     return insert(aten.mm.default, (x, insert(aten.t.default, (wide,))))
 
 
