@@ -32,7 +32,7 @@ from kiln.compiler.piece_cache import PieceCache, piece_cache_key
 from kiln.compiler.contract import arg_names
 from kiln.compiler.split import Piece, split_graph, stitching_source
 from kiln.compiler.trace import TracedBackbone, trace_backbone
-from kiln.compiler.workers import CompileJob, compile_jobs, cpu_probe_done, probe_cpu_in_background
+from kiln.compiler.workers import CompileJob, NamedJobs, compile_jobs, cpu_probe_done, probe_cpu_in_background
 from kiln.config import CompileConfig, dtype_name
 from kiln.kernels import gemms, panel_linear
 from kiln.models.llama import CausalLM
@@ -140,11 +140,13 @@ def compile_pieces(
     dynamic: bool = True,
     done: dict | None = None,
     cache: PieceCache | None = None,
+    beside: NamedJobs | None = None,
 ) -> dict[str, PieceBuild]:
     """Compile every non-splitting piece (unique graphs once, per size); returns name -> build.
     `dynamic=False` compiles the static sizes only; `done` maps (graph key, size) to compiles made
     earlier (another variant's pieces that came out the same); `cache` holds compiles made for
-    other artifacts. What is left to compile is compiled side by side (`workers.py`)."""
+    other artifacts; `beside` are libraries to build too (into `beside.built`). What is left to
+    compile is compiled side by side (`workers.py`)."""
     done = {} if done is None else done
     todo = [(piece, normalize(piece.graph)) for piece in pieces if not piece.is_splitting]
     keys = [piece_key(graph) for _, graph in todo]
@@ -179,9 +181,15 @@ def compile_pieces(
             jobs.append(CompileJob(graph, inputs, mode))
             job_of.append((key, size, stored, label))
             queued.add((key, size))
+    extra = beside.todo() if beside is not None else []
+    names = [label for *_, label in job_of] + [beside.describe(name) for name, _ in extra]
     disable = None if progress is None else not progress  # None: show only on a terminal
-    with tqdm(total=len(jobs), desc="kiln compile", unit="graph", disable=disable) as bar:
-        for i, compiled, seconds in compile_jobs(jobs, [label for *_, label in job_of]):
+    with tqdm(total=len(names), desc="kiln compile", unit="graph", disable=disable) as bar:
+        for i, compiled, seconds in compile_jobs(jobs + [beside.jobs[name] for name, _ in extra], names):
+            if i >= len(job_of):
+                beside.done(*extra[i - len(job_of)], compiled, seconds)
+                bar.update()
+                continue
             key, size, stored, label = job_of[i]
             done[key, size] = compiled
             counters["pieces_compiled"] += 1
@@ -248,23 +256,26 @@ def _lm_head_choice(model: CausalLM, compile_config: CompileConfig) -> dict | No
     return head
 
 
-def _build_libraries(model: CausalLM, lm_head: dict | None, pieces: PieceCache,
-                     timings: dict[str, float]) -> tuple[dict, dict]:
-    """The libraries the artifact ships beside its pieces: the panel GEMMs chosen for the LM head, and
-    kiln's kernels that run outside the pieces (`kiln.compiler.libraries`)."""
-    start = time.perf_counter()
+def _library_jobs(model: CausalLM, lm_head: dict | None, pieces: PieceCache) -> NamedJobs:
+    """The libraries the artifact ships beside its pieces: the panel GEMMs chosen for the LM head
+    ("head:<format>"), and kiln's kernels that run outside the pieces (`kiln.compiler.libraries`, by
+    name). They compile beside the first variant's pieces."""
     formats = [lm_head.get(k) for k in ("format", "screen", "int8_blocked")
                if lm_head is not None and lm_head.get(k) in libraries.HEAD_FORMATS]
-    head = libraries.build_head(formats, tuple(model.lm_head_weight().shape), pieces) if formats else {}
+    shape = tuple(model.lm_head_weight().shape)
+    jobs = {f"head:{format}": libraries.head_job(format, shape) for format in dict.fromkeys(formats)}
     kernels = []
     if libraries.attention_wanted(next(model.parameters()).device, model.dtype):
         kernels.append(libraries.DECODE_ATTENTION)
     if libraries.screen_wanted(lm_head):
         kernels.append(libraries.GREEDY_SCREEN)
-    built = libraries.build(kernels, pieces) if kernels else {}
-    if formats or kernels:
-        timings["compile"] += time.perf_counter() - start
-    return head, built
+    jobs |= {kernel.name: kernel.job() for kernel in kernels}
+
+    def describe(name: str) -> str:
+        head = name.removeprefix("head:")
+        return f"the LM head's {head} library" if head != name else f"the {name.replace('_', ' ')} library"
+
+    return NamedJobs(jobs, pieces, describe)
 
 
 @dataclass
@@ -306,11 +317,11 @@ def _graph_texts(folder: str, before_passes: str, graph: fx.GraphModule, stitche
 
 def _build_variants(traced: TracedBackbone, manager: PassManager, compile_config: CompileConfig,
                     timings: dict[str, float], debug: dict[str, str], progress: bool | None,
-                    cache: PieceCache | None) -> list[VariantBuild]:
+                    cache: PieceCache | None, beside: NamedJobs | None = None) -> list[VariantBuild]:
     """Run the passes, split and compile once per group of size ranges whose passes agree (one group
     unless a pass declines some sizes, or on CPU the GEMM kernels chosen for small batches differ from
-    the rest). Pieces that come out the same in two variants compile once. Each variant's graphs are
-    added to `debug` as text."""
+    the rest). Pieces that come out the same in two variants compile once; `beside` compiles with the
+    first variant's pieces. Each variant's graphs are added to `debug` as text."""
     ranges = compile_config.dynamic_ranges()
     if manager.gemms is not None and _on_cpu(traced):  # decode batches choose their GEMMs apart
         ranges = gemm_choice.split_at_batch_cuts(ranges)
@@ -318,7 +329,7 @@ def _build_variants(traced: TracedBackbone, manager: PassManager, compile_config
     start = time.perf_counter()
     cpu_probe_done()  # its test builds would take a core from the GEMMs timed next
     groups = manager.group([*ranges, *statics], traced.graph.graph)
-    timings["gemm_choice"] = time.perf_counter() - start
+    timings["gemm_choice"] = timings.get("gemm_choice", 0.0) + time.perf_counter() - start
     token_symbol = _token_symbol(traced)
     before_passes = traced.graph.code
     done: dict = {}
@@ -337,7 +348,7 @@ def _build_variants(traced: TracedBackbone, manager: PassManager, compile_config
         debug |= _graph_texts("graphs" if i == 0 else f"graphs-{i}", before_passes, graph, stitched, pieces)
         start = time.perf_counter()
         builds = compile_pieces(pieces, token_symbol, tuple(sizes), progress, dynamic=bool(dynamic), done=done,
-                                cache=cache)
+                                cache=cache, beside=beside if i == 0 else None)
         timings["compile"] = timings.get("compile", 0.0) + time.perf_counter() - start
         program = stitching_source(stitched, pieces, arg_names(traced.inputs))
         variants.append(VariantBuild(dynamic, sizes, report, program, builds))
@@ -444,11 +455,14 @@ def build_artifact(
         timings["trace"] = time.perf_counter() - start
         debug = {"dynamo/decompiled.py": traced.decompiled, "dynamo/graph.py": traced.dynamo_graph}
         pieces = PieceCache.for_cache_dir(cache_dir, read=not force)
-        variants = _build_variants(traced, manager, compile_config, timings, debug, progress, pieces)
         start = time.perf_counter()
+        cpu_probe_done()  # its test builds would take a core from the GEMMs timed next
         lm_head = _lm_head_choice(model, compile_config)
-        timings["gemm_choice"] = timings.get("gemm_choice", 0.0) + time.perf_counter() - start
-        head_libraries, kernel_libraries = _build_libraries(model, lm_head, pieces, timings)
+        timings["gemm_choice"] = time.perf_counter() - start
+        beside = _library_jobs(model, lm_head, pieces)
+        variants = _build_variants(traced, manager, compile_config, timings, debug, progress, pieces, beside)
+        head_libraries = {name.removeprefix("head:"): lib for name, lib in beside.built.items() if name.startswith("head:")}
+        kernel_libraries = {name: lib for name, lib in beside.built.items() if not name.startswith("head:")}
         if dump_dir is not None:
             for rel, text in debug.items():
                 (Path(dump_dir) / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx
@@ -298,24 +298,45 @@ def _retry_here(index: int, name: str, error: BaseException) -> tuple[int, Compi
                         "the C++ toolchain: see the traceback above") from e
 
 
+@dataclass
+class NamedJobs:
+    """Named libraries that compile beside another compile's jobs (`compile_pieces` takes them): the
+    libraries an artifact ships besides its pieces need nothing from the pieces, and pieces alone leave
+    cores idle at their tail (three unique pieces on two cores). Each comes from the piece cache where
+    another compile built it; what is compiled is stored there."""
+
+    jobs: dict[str, CompileJob]
+    cache: PieceCache | None
+    describe: Callable[[str], str]
+    """Names a library in the logs."""
+    built: dict[str, CompiledLibrary] = field(default_factory=dict)
+
+    def todo(self) -> list[tuple[str, str | None]]:
+        """Take what the piece cache holds; the (name, piece-cache key) of each job left to compile."""
+        left = []
+        for name, job in self.jobs.items():
+            key = piece_cache_key(job.graph, job.inputs) if self.cache is not None else None
+            hit = self.cache.get(key) if key is not None else None
+            if hit is not None:
+                self.built[name] = hit
+                logger.info("reused %s from the piece cache", self.describe(name))
+            elif name not in self.built:
+                left.append((name, key))
+        return left
+
+    def done(self, name: str, key: str | None, compiled: CompiledLibrary, seconds: float) -> None:
+        self.built[name] = compiled
+        if key is not None:
+            self.cache.put(key, compiled)
+        logger.info("compiled %s in %.2fs", self.describe(name), seconds)
+
+
 def compile_cached(jobs: dict[str, CompileJob], cache: PieceCache | None,
                    describe: Callable[[str], str]) -> dict[str, CompiledLibrary]:
     """Each named job's library: from the piece cache where another compile built it, else compiled
     side by side and stored there. `describe(name)` names a library in the logs."""
-    built: dict[str, CompiledLibrary] = {}
-    todo = []
-    for name, job in jobs.items():
-        key = piece_cache_key(job.graph, job.inputs) if cache is not None else None
-        hit = cache.get(key) if key is not None else None
-        if hit is not None:
-            built[name] = hit
-            logger.info("reused %s from the piece cache", describe(name))
-        else:
-            todo.append((name, key))
+    named = NamedJobs(jobs, cache, describe)
+    todo = named.todo()
     for i, compiled, seconds in compile_jobs([jobs[name] for name, _ in todo], [describe(name) for name, _ in todo]):
-        name, key = todo[i]
-        built[name] = compiled
-        if key is not None:
-            cache.put(key, compiled)
-        logger.info("compiled %s in %.2fs", describe(name), seconds)
-    return built
+        named.done(*todo[i], compiled, seconds)
+    return named.built
