@@ -93,8 +93,11 @@ class EngineConfig:
     at. None: 1, 2, 4, 8, ... up to max_num_seqs on CUDA, none on CPU; (): no graphs, no padding."""
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
+        for name in ("block_size", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise KilnError(f"EngineConfig.{name} must be an integer, got {value!r}")
+            if value is not None and value < 1:
                 raise KilnError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.memory_utilization <= 1:
             raise KilnError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")

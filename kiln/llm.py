@@ -222,20 +222,25 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise KilnError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        order = {}
-        for prompt, p in zip(prompts, params):
-            if isinstance(prompt, str):
-                if self.tokenizer is None:
-                    raise KilnError("this model directory has no tokenizer.json: pass token ids instead of text")
-                rid = self.engine.add_request(self.tokenizer.encode(prompt), p, prompt=prompt)
-            else:
-                rid = self.engine.add_request(list(prompt), p)
-            order[rid] = len(order)
-        results: list[RequestOutput | None] = [None] * len(order)
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    results[order[out.request_id]] = out
+        if any(isinstance(prompt, str) for prompt in prompts) and self.tokenizer is None:
+            raise KilnError("this model directory has no tokenizer.json: pass token ids instead of text")
+        batch = [(self.tokenizer.encode(prompt), prompt) if isinstance(prompt, str) else (list(prompt), None)
+                 for prompt in prompts]
+        for (ids, _), p in zip(batch, params):  # every prompt checked before any is queued
+            self.engine.validate(ids, p)
+        order: dict[str, int] = {}
+        try:
+            for (ids, text), p in zip(batch, params):
+                order[self.engine.add_request(ids, p, prompt=text)] = len(order)
+            results: list[RequestOutput | None] = [None] * len(order)
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+        except BaseException:  # a failed call (an interrupt too) leaves the engine as it found it
+            for request_id in order:
+                self.engine.abort(request_id)
+            raise
         return results
 
 

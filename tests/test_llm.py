@@ -145,3 +145,58 @@ def test_bad_sampling_params():
         SamplingParams(max_tokens=0)
     with pytest.raises(KilnError, match="top_p"):
         SamplingParams(top_p=0)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("temperature", float("nan"), "temperature must be a finite number, got nan"),
+    ("temperature", float("inf"), "temperature must be a finite number, got inf"),
+    ("top_p", float("nan"), "top_p must be a finite number"),
+    ("repetition_penalty", "2", "repetition_penalty must be a finite number, got '2'"),
+    ("seed", "x", "seed must be an integer, got 'x'"),
+    ("max_tokens", 1.5, "max_tokens must be an integer, got 1.5"),
+    ("logprobs", True, "logprobs must be an integer, got True"),
+])
+def test_sampling_params_refuse_nonsense_by_name(field, value, message):
+    with pytest.raises(KilnError, match=message):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("value, message", [(0, "max_model_len must be >= 1, got 0"),
+                                            (-5, "max_model_len must be >= 1, got -5"),
+                                            (64.0, "max_model_len must be an integer, got 64.0")])
+def test_llm_refuses_a_max_model_len_it_cannot_honour(demo_dirs, value, message):
+    with pytest.raises(KilnError, match=message):
+        LLM(demo_dirs["llama"], max_model_len=value)
+
+
+def test_one_bad_prompt_queues_nothing_and_the_next_call_is_whole(demo_dirs):
+    """A batch with a prompt the engine refuses raises before any of it is queued, and leaves the
+    engine as it was: the next call answers exactly what a fresh engine does."""
+    llm = LLM(demo_dirs["llama"])
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with pytest.raises(KilnError, match="token id 99999 is outside the vocabulary"):
+        llm.generate(["The kiln", [99999]], params)
+    assert not llm.engine.has_unfinished()
+    again = llm.generate(["Clay and fire", "The kiln"], params)
+    fresh = LLM(demo_dirs["llama"]).generate(["Clay and fire", "The kiln"], params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in fresh]
+
+
+def test_an_interrupted_call_aborts_its_requests(demo_dirs, monkeypatch):
+    """A call that fails mid-run (an interrupt, a failed batch) drops what it queued: nothing of it runs in the
+    next call."""
+    llm = LLM(demo_dirs["llama"])
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    step = llm.engine.step
+
+    def interrupted():
+        step()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm.engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["The kiln", "Clay and fire"], params)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished()
+    assert [o.token_ids for o in llm.generate(["The kiln"], params)] == \
+        [o.token_ids for o in LLM(demo_dirs["llama"]).generate(["The kiln"], params)]

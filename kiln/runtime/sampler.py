@@ -55,6 +55,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("max_tokens", "top_k", "min_tokens", "seed", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool)) and (value is not None or name in (
+                    "max_tokens", "top_k", "min_tokens")):
+                raise KilnError(f"{name} must be an integer, got {value!r}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise KilnError(f"{name} must be a finite number, got {value!r}")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise KilnError(f"seed must be a signed 64-bit integer, in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
         if self.max_tokens < 1:
