@@ -9,47 +9,57 @@
 #pragma GCC push_options
 #pragma GCC optimize("O3")
 // Inductor builds the wrapper without loop vectorization: the vectors are spelled out (GCC's vector
-// extension, 16 floats, which it lowers to the CPU's widest registers)
-typedef float kiln_v16 __attribute__((vector_size(64)));
+// extension) at the CPU's widest registers, 16 floats with AVX-512, else 8. A wider vector than the registers
+// is lowered through the stack on every operation (an AVX2 build of 16-float vectors ran 10x slower)
+#if defined(__AVX512F__)
+#define KILN_LANES 16
+#else
+#define KILN_LANES 8
+#endif
+typedef float kiln_vf __attribute__((vector_size(4 * KILN_LANES)));
+typedef int32_t kiln_vi __attribute__((vector_size(4 * KILN_LANES)));
 
-static inline kiln_v16 kiln_load16(const float* p) {
-  kiln_v16 x;
+static inline kiln_vf kiln_load(const float* p) {
+  kiln_vf x;
   __builtin_memcpy(&x, p, sizeof x);
   return x;
 }
 
-static inline float kiln_sum16(kiln_v16 x) {
+static inline float kiln_sum(kiln_vf x) {
   typedef float v8 __attribute__((vector_size(32)));
+#if KILN_LANES == 16
   const v8 h = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
                __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const v8 h = x;
+#endif
   return ((h[0] + h[4]) + (h[1] + h[5])) + ((h[2] + h[6]) + (h[3] + h[7]));
 }
 
 // exp(x) for x <= 0, to about an ulp: 2^k exp(r) with k = round(x / ln 2), |r| <= ln 2 / 2, exp(r) by
 // its Taylor series to r^6; x below -87 gives exp(-87) (~1e-38), not 0
-static inline kiln_v16 kiln_exp16(kiln_v16 x) {
-  typedef int32_t i16 __attribute__((vector_size(64)));
-  const kiln_v16 lowest = kiln_v16{} - 87.f;
+static inline kiln_vf kiln_exp(kiln_vf x) {
+  const kiln_vf lowest = kiln_vf{} - 87.f;
   x = x < lowest ? lowest : x;
-  const kiln_v16 shifted = x * 1.44269504f + 12582912.f;  // k in the low mantissa bits
-  const kiln_v16 k = shifted - 12582912.f;
-  const kiln_v16 r = (x - k * 0.693145752f) - k * 1.42860677e-6f;
-  kiln_v16 p = r * (1.f / 720) + 1.f / 120;
+  const kiln_vf shifted = x * 1.44269504f + 12582912.f;  // k in the low mantissa bits
+  const kiln_vf k = shifted - 12582912.f;
+  const kiln_vf r = (x - k * 0.693145752f) - k * 1.42860677e-6f;
+  kiln_vf p = r * (1.f / 720) + 1.f / 120;
   p = p * r + 1.f / 24;
   p = p * r + 1.f / 6;
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  const i16 scale = (((i16)shifted - 0x4B400000) + 127) << 23;  // 2^k
-  return p * (kiln_v16)scale;
+  const kiln_vi scale = (((kiln_vi)shifted - 0x4B400000) + 127) << 23;  // 2^k
+  return p * (kiln_vf)scale;
 }
 
 // a . b over n floats
 static inline float kiln_dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  kiln_v16 acc = {};
+  kiln_vf acc = {};
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc += kiln_load16(a + i) * kiln_load16(b + i);
-  float sum = kiln_sum16(acc);
+  for (; i + KILN_LANES <= n; i += KILN_LANES) acc += kiln_load(a + i) * kiln_load(b + i);
+  float sum = kiln_sum(acc);
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
 }
@@ -57,8 +67,8 @@ static inline float kiln_dot(const float* __restrict a, const float* __restrict 
 // y += w x over n floats
 static inline void kiln_axpy(float w, const float* __restrict x, float* __restrict y, int64_t n) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const kiln_v16 r = kiln_load16(y + i) + w * kiln_load16(x + i);
+  for (; i + KILN_LANES <= n; i += KILN_LANES) {
+    const kiln_vf r = kiln_load(y + i) + w * kiln_load(x + i);
     __builtin_memcpy(y + i, &r, sizeof r);
   }
   for (; i < n; ++i) y[i] += w * x[i];
@@ -110,14 +120,14 @@ extern "C" void kiln_decode_attention(const float* q, const float* cache, const 
           float* s = scores + g * n;
           float top = -INFINITY;
           for (int64_t i = 0; i < n; ++i) top = s[i] > top ? s[i] : top;
-          kiln_v16 sums = {};
+          kiln_vf sums = {};
           int64_t i = 0;
-          for (; i + 16 <= n; i += 16) {
-            const kiln_v16 e = kiln_exp16(kiln_load16(s + i) - top);
+          for (; i + KILN_LANES <= n; i += KILN_LANES) {
+            const kiln_vf e = kiln_exp(kiln_load(s + i) - top);
             __builtin_memcpy(s + i, &e, sizeof e);
             sums += e;
           }
-          float sum = kiln_sum16(sums);
+          float sum = kiln_sum(sums);
           for (; i < n; ++i) sum += (s[i] = expf(s[i] - top));
           const float inv = 1.f / sum;
           for (i = 0; i < n; ++i) s[i] *= inv;
