@@ -576,6 +576,11 @@ def _add_bench_parser(sub) -> None:
     dec.set_defaults(func=decode.run)
 
 
+UNUSABLE_PATH = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EEXIST, errno.ELOOP, errno.EISDIR)
+"""OSErrors that say a path cannot be used as it is (read-only, not a directory, a link loop): a one-line error
+naming the path, not a traceback."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
@@ -589,6 +594,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kiln: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:
+        if e.errno in UNUSABLE_PATH:
+            where = f" {e.filename}" if e.filename else " a path"
+            print(f"kiln: error: cannot use{where}: {e.strerror}. Check that path (a cache must be a writable "
+                  "directory: --cache-dir, $KILN_CACHE)", file=sys.stderr)
+            return 1
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         where = f" writing {e.filename}" if e.filename else ""

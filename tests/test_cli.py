@@ -68,6 +68,21 @@ def test_a_device_it_cannot_use_is_one_line(demo_dirs, device, message):
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and message in proc.stderr
 
 
+@pytest.mark.parametrize("make", ["a plain file", "a link loop"])
+def test_a_cache_that_cannot_be_a_directory_is_one_line(demo_dirs, tmp_path, make):
+    """A cache path that is a file or a symlink loop: one `kiln: error:` line naming it, no traceback."""
+    cache = tmp_path / "cache"
+    if make == "a plain file":
+        cache.write_text("not a directory")
+    else:
+        cache.symlink_to(tmp_path / "loop")
+        (tmp_path / "loop").symlink_to(cache)
+    proc = kiln("generate", demo_dirs["llama"], "--prompt", "x", "--max-tokens", "2", "--compile", "--cache-dir", cache,
+                check=False)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"kiln: error: cannot use {cache}") and "--cache-dir, $KILN_CACHE" in proc.stderr
+
+
 def test_a_kv_cache_too_small_for_one_sequence_names_the_options(demo_dirs):
     proc = kiln("generate", demo_dirs["llama"], "--prompt", "x", "--kv-cache-memory", "64K", "--max-model-len", "64",
                 check=False)
