@@ -333,6 +333,8 @@ def _arguments(text: str):
         return json.loads(text)
     except ValueError:
         return text
+    except RecursionError:  # Python's parser recurses per level: a 400, not the handler's 500
+        raise KilnError("a tool call's arguments nest deeper than JSON can be read here") from None
 
 
 class FunctionDefinition(Strict):

@@ -418,6 +418,11 @@ def test_malformed_requests_are_4xx(served):
                  {"model": MODEL}):
         response = httpx.post(base + "/v1/chat/completions", json=body)
         assert response.status_code == 400 and "error" in response.json(), body
+    deep = [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 200_000 + "]" * 200_000}}]}]
+    for path, body in (("/v1/chat/completions", {"model": MODEL, "messages": deep}), ("/tokenize", {"messages": deep})):
+        response = httpx.post(base + path, json=body)  # Python's JSON parser recursed past its limit: was a 500
+        assert response.status_code == 400 and "nest deeper" in response.json()["error"]["message"], response.text
     assert httpx.get(base + "/v1/nothing").status_code == 404
     assert httpx.get(base + "/v1/completions").status_code == 405
     assert httpx.get(base + "/v1/models").json()["data"][0]["id"] == MODEL
