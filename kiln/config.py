@@ -98,7 +98,7 @@ class EngineConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise KilnError(f"EngineConfig.{name} must be an integer, got {value!r}")
             if value is not None and value < 1:
-                raise KilnError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+                raise KilnError(f"EngineConfig.{name} must be >= 1, got {value}")
         if not 0 < self.memory_utilization <= 1:
             raise KilnError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         bad = [s for s in self.cudagraph_sizes or () if not 1 <= s <= self.max_num_batched_tokens]

@@ -57,8 +57,8 @@ class SamplingParams:
             self.stop = [self.stop]
         for name in ("max_tokens", "top_k", "min_tokens", "seed", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool)) and (value is not None or name in (
-                    "max_tokens", "top_k", "min_tokens")):
+            optional = name in ("seed", "logprobs", "prompt_logprobs")
+            if (isinstance(value, bool) or not isinstance(value, int)) and not (optional and value is None):
                 raise KilnError(f"{name} must be an integer, got {value!r}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
