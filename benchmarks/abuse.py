@@ -6,7 +6,8 @@ beside it.
 Two servers, each a fresh `kiln serve` process run eagerly, as a user would start it:
 
 - answers: the demo model, default limits. Each attack of the server's threat list once, with the
-  status and message it gets, and whether /health still answers 200 after it.
+  status and message it gets, the seconds to its answer, the server's RSS before and after, and
+  whether /health still answers 200 after it.
 - costs: random weights in Qwen2.5-0.5B's shape with its full 151936-token vocabulary (a word-level
   tokenizer over it), the caps raised so that the costly requests are admitted. A plain request (32
   prompt tokens, 32 greedy tokens) is timed alone (median of 3), then again beside each attack: a
@@ -38,6 +39,7 @@ def attacks() -> dict[str, tuple[str, dict | bytes]]:
     """name -> (path, body) of each attack the server must turn away or contain."""
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     plain = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    text = "a b " * 1_000_000
     return {
         "seed 2^64": ("/v1/completions", {**plain, "seed": 2**64}),
         "seed -2^63-1 (chat)": ("/v1/chat/completions", {**chat, "seed": -(2**63) - 1}),
@@ -53,6 +55,14 @@ def attacks() -> dict[str, tuple[str, dict | bytes]]:
         "logit_bias key '\u00b2'": ("/v1/completions", {**plain, "logit_bias": {"\u00b2": 1}}),
         "lone surrogate": ("/v1/completions", b'{"model": "m", "prompt": "\\ud800"}'),
         "NaN temperature": ("/v1/completions", b'{"model": "m", "prompt": "hi", "temperature": NaN}'),
+        "/tokenize 4 MB with token strs": ("/tokenize", {"prompt": text, "return_token_strs": True}),
+        "4 MB prompt": ("/v1/completions", {**plain, "prompt": text}),
+        "4 MB chat message": ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": text}]}),
+        "/detokenize 1M ids": ("/detokenize", {"tokens": [11] * 1_000_000}),
+        "tool call arguments nested 200k deep": ("/v1/chat/completions", {**chat, "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+                "name": "f", "arguments": "[" * 200_000 + "]" * 200_000}}]}]}),
     }
 
 
@@ -63,10 +73,12 @@ def answers(model_dir: Path) -> dict:
         for name, (path, body) in attacks().items():
             start = time.perf_counter()
             content = body if isinstance(body, bytes) else None
+            rss = process_memory(server.pid, "VmRSS")
             r = httpx.post(url + path, content=content, json=None if content else body, timeout=120)
             message = r.json()["error"]["message"] if r.status_code != 200 else "ok"
             found[name] = {"status": r.status_code, "seconds": round(time.perf_counter() - start, 3),
-                           "message": message[:160], "healthy_after": httpx.get(url + "/health").status_code == 200}
+                           "message": message[:160], "healthy_after": httpx.get(url + "/health").status_code == 200,
+                           "rss_mb_before": rss >> 20, "rss_mb_after": process_memory(server.pid, "VmRSS") >> 20}
             print(f"{name}: {r.status_code} {message[:100]}", flush=True)
         return found
     finally:

@@ -21,7 +21,7 @@ from kiln.runtime.kv_cache import bytes_per_block
 from kiln.runtime.memory import MemoryPlan, activation_bytes, available_bytes
 from kiln.runtime.parallel import init_from_env
 from kiln.runtime.sampler import SamplingParams
-from kiln.runtime.tokenizer import Tokenizer
+from kiln.runtime.tokenizer import Tokenizer, TooManyTokens
 from kiln.threads import use_threads
 from kiln.units import format_size
 from kiln.weights.model_weights import ModelWeights, PackFileOpener
@@ -224,7 +224,7 @@ class LLM:
             raise KilnError(f"{len(prompts)} prompts but {len(params)} sampling params")
         if any(isinstance(prompt, str) for prompt in prompts) and self.tokenizer is None:
             raise KilnError("this model directory has no tokenizer.json: pass token ids instead of text")
-        batch = [(self.tokenizer.encode(prompt), prompt) if isinstance(prompt, str) else (list(prompt), None)
+        batch = [(self._encode(prompt), prompt) if isinstance(prompt, str) else (list(prompt), None)
                  for prompt in prompts]
         for (ids, _), p in zip(batch, params):  # every prompt checked before any is queued
             self.engine.validate(ids, p)
@@ -242,6 +242,15 @@ class LLM:
                 self.engine.abort(request_id)
             raise
         return results
+
+    def _encode(self, prompt: str) -> list[int]:
+        """A prompt's ids, refused as soon as it is known not to fit (a long text is not tokenized whole)."""
+        limit = self.engine.max_model_len
+        try:
+            return self.tokenizer.encode(prompt, max_tokens=limit - 1)
+        except TooManyTokens as e:
+            raise KilnError(f"the prompt has {e.counted} tokens; max_model_len is {limit}, which leaves no room "
+                            "to generate") from None
 
 
 def _pin(device: torch.device) -> torch.device:

@@ -128,6 +128,8 @@ def test_max_model_len_caps_generation(demo_dirs):
     assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == 40
     with pytest.raises(KilnError, match="max_model_len is 40"):
         llm.generate([list(range(40))], SamplingParams())
+    with pytest.raises(KilnError, match="prompt has at least 307693 tokens; max_model_len is 40"):
+        llm.generate(["a b " * 1_000_000], SamplingParams())  # refused from its length, never tokenized
 
 
 @pytest.mark.parametrize(

@@ -38,11 +38,25 @@ def _strftime_now(format: str) -> str:
 
 
 class TooManyTokens(KilnError):
-    """A text longer than the caller's limit, in tokens."""
+    """A text longer than the caller's limit, in tokens: `count` of them, or at least `count` where
+    `at_least` (a long text is refused from a prefix or its length, never tokenized whole)."""
 
-    def __init__(self, count: int, limit: int):
-        super().__init__(f"the text has {count} tokens, more than the {limit} allowed")
-        self.count = count
+    def __init__(self, count: int, limit: int, at_least: bool = False):
+        self.count, self.at_least = count, at_least
+        super().__init__(f"the text has {self.counted} tokens, more than the {limit} allowed")
+
+    @property
+    def counted(self) -> str:
+        return f"at least {self.count}" if self.at_least else str(self.count)
+
+
+EXACT_CHARS_PER_TOKEN = 8
+"""Texts up to this many characters per allowed token are tokenized whole (an exact count in any
+refusal); longer ones through growing prefixes, so the work is bounded by the limit, not the text."""
+
+PREFIX_SLACK = 16
+"""Tokens a prefix may have beyond the limit before it condemns the whole text: a cut can split a
+word into more tokens than the whole text spends on it, never into this many more."""
 
 
 def _ids(value) -> list[int]:
@@ -71,6 +85,7 @@ class Tokenizer:
         self.eos_token_ids = self._eos_ids(model_dir)
         self.chat_template = self._chat_template(model_dir)
         self._render = None
+        self._longest_token: int | None = None
 
     def _eos_ids(self, model_dir: Path) -> list[int]:
         """generation_config.json wins over config.json; tokenizer_config.json's eos_token is last."""
@@ -101,14 +116,37 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    @property
+    def longest_token(self) -> int:
+        """The most characters one vocabulary entry spells: no token covers more of a text (byte-level
+        entries spell one character per byte, and a text has no more characters than bytes)."""
+        if self._longest_token is None:
+            self._longest_token = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1) or 1
+        return self._longest_token
+
     def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
-        """Token ids of `text`; `TooManyTokens` if there are more than `max_tokens`, found before the
-        list is built. Through `encode_batch_fast`, which releases the GIL (a long prompt never stalls
-        the server's event loop) and skips the character offsets kiln does not use."""
-        encoding = self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
-        if max_tokens is not None and len(encoding) > max_tokens:
+        """Token ids of `text`; `TooManyTokens` if there are more than `max_tokens`, with work bounded
+        by `max_tokens` rather than the text: a text longer than `max_tokens` of the longest token is
+        refused from its length, a long one from a prefix that already has too many tokens.
+        Through `encode_batch_fast`, which releases the GIL (a long prompt never stalls the server's
+        event loop) and skips the character offsets kiln does not use."""
+        if max_tokens is None:
+            return self._encode(text, add_special_tokens).ids
+        if len(text) > max_tokens * self.longest_token:
+            raise TooManyTokens(-(-len(text) // self.longest_token), max_tokens, at_least=True)
+        size = max_tokens * EXACT_CHARS_PER_TOKEN + 1024
+        while size < len(text):
+            count = len(self._encode(text[:size], add_special_tokens))
+            if count > max_tokens + PREFIX_SLACK:
+                raise TooManyTokens(count - PREFIX_SLACK, max_tokens, at_least=True)
+            size *= 2
+        encoding = self._encode(text, add_special_tokens)
+        if len(encoding) > max_tokens:
             raise TooManyTokens(len(encoding), max_tokens)
         return encoding.ids
+
+    def _encode(self, text: str, add_special_tokens: bool):
+        return self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
 
     def token_string(self, token_id: int) -> str:
         """The vocabulary's string for one id (byte-level tokens as stored, e.g. "Ġthe")."""

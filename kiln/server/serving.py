@@ -94,8 +94,8 @@ class Server:
         try:
             return self.tokenizer.encode(text, add_special_tokens, max_tokens=self.max_model_len - 1)
         except TooManyTokens as e:
-            self.max_tokens(e.count, None)
-            raise
+            raise ServerError(400, f"the prompt has {e.counted} tokens; this model's context is "
+                                   f"{self.max_model_len} tokens, which leaves no room to generate") from None
 
     def completion_prompts(self, prompt) -> list[Prompt]:
         """A string, a list of strings, a list of token ids, or a list of those -> [(ids, text or None)]."""
@@ -141,18 +141,34 @@ class Server:
             special = bool(body.add_special_tokens)
         else:
             text, special = body.prompt, body.add_special_tokens is not False
-        ids = self.tokenizer.encode(text, special)
+        try:
+            ids = self.tokenizer.encode(text, special, max_tokens=self.tokenize_limit)
+        except TooManyTokens as e:
+            raise ServerError(400, f"the text has {e.counted} tokens; /tokenize counts at most {self.tokenize_limit}"
+                                   f" ({TOKENIZE_CONTEXTS} contexts of this model)", param="prompt") from None
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
                 "token_strs": [self.tokenizer.token_string(t) for t in ids] if body.return_token_strs else None}
+
+    @property
+    def tokenize_limit(self) -> int:
+        """The most tokens /tokenize and /detokenize handle: their work is bounded like a prompt's."""
+        return TOKENIZE_CONTEXTS * self.max_model_len
 
     def detokenize(self, body: DetokenizeRequest) -> dict:
         if body.model is not None:
             self.check_model(body.model)
+        if len(body.tokens) > self.tokenize_limit:
+            raise ServerError(400, f"{len(body.tokens)} tokens; /detokenize takes at most {self.tokenize_limit} "
+                                   f"({TOKENIZE_CONTEXTS} contexts of this model)", param="tokens")
         vocab = self.vocab_size
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise ServerError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
         return {"prompt": self.tokenizer.decode(body.tokens)}
+
+
+TOKENIZE_CONTEXTS = 4
+"""/tokenize counts texts up to this many contexts long (a client may ask how far over one it is)."""
 
 
 def _cap(what: str, count: int, limit: int, flag: str) -> None:

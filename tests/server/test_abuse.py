@@ -139,8 +139,7 @@ def test_a_grammar_llguidance_gives_up_on_fails_alone(server, alone):
 
 
 def test_a_huge_body_is_refused_before_it_is_read(server):
-    """100 MB, declared or streamed: 413 naming the flag, and the server's memory barely moves. A body
-    just under the limit is tokenized off the event loop: health checks answer while it is."""
+    """100 MB, declared or streamed: 413 naming the flag, and the server's memory barely moves."""
     url, pid = server
     before = _rss(pid)
     declared = httpx.post(url + "/v1/completions", content=b"x" * (100 * 2**20), timeout=60)
@@ -156,17 +155,33 @@ def test_a_huge_body_is_refused_before_it_is_read(server):
     assert streamed.status_code == 413
     assert _rss(pid) - before < 200 * 2**20
 
-    async def long_prompt_beside_health_checks() -> tuple[httpx.Response, int]:
-        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
-            big = asyncio.create_task(http.post("/v1/completions", json=_body("kiln fire " * 390_000)))
-            answered = 0
-            while not big.done():
-                answered += (await http.get("/health")).status_code == 200
-            return await big, answered
 
-    big, answered = asyncio.run(long_prompt_beside_health_checks())
-    assert big.status_code == 400 and "no room to generate" in big.json()["error"]["message"]
-    assert answered >= 2
+def test_texts_are_refused_before_they_are_tokenized_whole(server, alone):
+    """4 MB texts to /tokenize (four at once), /v1/completions and chat: each a 400 naming the limit,
+    found from the text's length, not by tokenizing 2 million tokens (which took 0.8 GB each); the
+    requests beside them get their own tokens and the server's memory stays put. Within the limits
+    /tokenize counts exactly."""
+    url, pid = server
+    text, before = "a b " * 1_000_000, _rss(pid)
+
+    async def attack() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            tokenize = [http.post("/tokenize", json={"prompt": text, "return_token_strs": True}) for _ in range(4)]
+            chat = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 4,
+                                                           "messages": [{"role": "user", "content": text}]})
+            return await asyncio.gather(*tokenize, chat)
+
+    *tokenized, chat = asyncio.run(attack())
+    for response in tokenized:
+        assert response.status_code == 400 and "/tokenize counts at most 1024" in response.json()["error"]["message"]
+    for response in (chat, _alongside(url, _body(text), alone)):
+        assert response.status_code == 400, response.text
+        assert "has at least" in response.json()["error"]["message"] and "no room to generate" in response.text
+    assert _rss(pid) - before < 100 * 2**20
+    counted = _post(url, {"prompt": ("a b " * 512).strip()}, "/tokenize").json()
+    assert counted["count"] == len(counted["tokens"]) == 1024
+    assert _post(url, {"tokens": [11] * 1025}, "/detokenize").status_code == 400
+    assert _post(url, {"tokens": [11] * 1024}, "/detokenize").json()["prompt"] == "+" * 1024
 
 
 def test_caps_name_their_flags_and_large_requests_within_them_work(server, demo_dirs):
