@@ -429,10 +429,11 @@ def test_malformed_requests_are_4xx(served):
     assert httpx.get(base + "/health").status_code == 200
 
 
-UNSTATABLE = ("leaves no room to generate", "exceed the model's context", "must be >= n", "seed must be",
+UNSTATABLE = ("leaves no room to generate", "exceed the model's context", "/tokenize counts at most", "must be >= n",
+              "seed must be",
               "is held only with tool_choice required", "which kiln holds only with tool_choice required")
 """Refusals of schema-valid requests that the schema does not state: a prompt's length in tokens against the
-context and one number against another (best_of >= n, seed + n - 1 within 64 bits), which JSON Schema
+context (a text's against 4 contexts for /tokenize) and one number against another (best_of >= n, seed + n - 1 within 64 bits), which JSON Schema
 cannot; and strict tools or parallel_tool_calls false in auto mode, which it can but schemathesis's
 canonicalizer then gives up on the chat schema (over 32 branches)."""
 
