@@ -28,6 +28,16 @@ def positive(text: str) -> float:
     return value
 
 
+def not_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number like 1.5, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def fraction(text: str) -> float:
     """A number in (0, 1]."""
     value = positive(text)

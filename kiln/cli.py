@@ -7,7 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
-from kiln.argtypes import at_least, fraction, positive, units
+from kiln.argtypes import at_least, fraction, not_negative, positive, units
 from kiln.config import DTYPES, LM_HEAD_QUANTIZATIONS, QUANTIZATIONS
 from kiln.errors import KilnError
 
@@ -306,7 +306,7 @@ def _server_config(args: argparse.Namespace):
             raise KilnError(f"--{name.replace('_', '-')} {path}: no such file")
     return ServerConfig(
         host=args.host, port=args.port, max_queued_requests=args.max_queued_requests,
-        request_timeout=args.request_timeout, api_key=args.api_key or os.environ.get("KILN_API_KEY") or None,
+        request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout, api_key=args.api_key or os.environ.get("KILN_API_KEY") or None,
         api_key_scope=args.api_key_scope, auth_exempt=tuple(args.auth_exempt or ()), ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile, ssl_ciphers=args.ssl_ciphers, allowed_origins=tuple(args.allowed_origins or ()),
         **{name: getattr(args, name) for name, _, _ in _REQUEST_LIMITS})
@@ -517,6 +517,10 @@ def _add_serve_parser(sub) -> None:
                         f"answered 503 with Retry-After (default {ServerConfig.max_queued_requests})")
     limits.add_argument("--request-timeout", type=positive, metavar="SECONDS", help="abort a request this "
                         "long after it arrived, queueing included, and answer 408 (default: no limit)")
+    limits.add_argument("--shutdown-timeout", type=not_negative, default=ServerConfig.shutdown_timeout,
+                        metavar="SECONDS", help="on SIGTERM or SIGINT, admit no more requests (503, /health 503) and "
+                        "let those running finish for this long; then end the rest with an error and exit 0. A "
+                        f"second signal exits at once (default {ServerConfig.shutdown_timeout:g})")
     for name, kind, says in _REQUEST_LIMITS:  # each a 400 (413, 408) naming its flag when a request passes it
         default = getattr(ServerConfig, name)
         metavar = "SIZE" if kind == "size" else "SECONDS" if name.endswith("timeout") else "N"

@@ -197,6 +197,9 @@ class ServerConfig:
     request_timeout: float | None = None
     """Seconds from arrival (queueing included) after which a request is aborted and answered 408;
     None: no limit."""
+    shutdown_timeout: float = 30.0
+    """Seconds a server told to stop (SIGTERM, SIGINT) lets its running requests finish, admitting no
+    more; then the rest end with an error and it exits."""
     max_request_bytes: int = 4 * 2**20
     """Largest request body; a larger one is answered 413 before it is read (from Content-Length, or as
     soon as a streamed body passes it)."""
@@ -239,6 +242,8 @@ class ServerConfig:
             raise KilnError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.request_timeout is not None and self.request_timeout <= 0:
             raise KilnError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
+        if not self.shutdown_timeout >= 0:
+            raise KilnError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
         for name in ("max_request_bytes", "header_timeout", "body_timeout", "keep_alive_timeout", "max_logit_bias",
                      "max_stop_strings", "max_stop_length", "max_choices", "max_grammar_bytes"):
             if getattr(self, name) <= 0:

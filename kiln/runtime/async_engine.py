@@ -61,6 +61,11 @@ class Overloaded(Exception):
     """More requests wait than the server admits (`max_queued`): answered 503 with Retry-After."""
 
 
+class ShuttingDown(Exception):
+    """The server is stopping: it finishes the requests it has and admits no more (503 with
+    Retry-After, for the client to retry elsewhere or after the restart)."""
+
+
 class RequestTimedOut(Exception):
     """The request ran past the server's request timeout and was aborted (answered 408)."""
 
@@ -119,6 +124,8 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stop = False
+        self.closing: str | None = None
+        """Why new requests are refused while the admitted ones finish (a stopping server); None: open."""
         self.error: BaseException | None = None
         """Set when the engine thread stopped on a failure: the server then reports unhealthy."""
         self.on_stopped: Callable[[], None] | None = None
@@ -173,6 +180,8 @@ class AsyncEngine:
         await asyncio.to_thread(validate)
         if not self.healthy:
             raise EngineUnavailable(f"the engine is not running ({self.error or 'shut down'})")
+        if self.closing is not None:
+            raise ShuttingDown(self.closing)
         self.admit(len(requests))
         loop, streams = asyncio.get_running_loop(), []
         deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
@@ -191,6 +200,26 @@ class AsyncEngine:
             self.metrics.finished("abort")
             self._inbox.put(("abort", request_id))
             self._wake.set()
+
+    def close(self, reason: str) -> None:
+        """Admit no more requests (each gets `ShuttingDown(reason)`); those admitted run on."""
+        self.closing = reason
+
+    def end_all(self, error: BaseException) -> int:
+        """End every unfinished request with `error` (a stopping server's answer to those it could not
+        finish) and free their blocks; how many there were."""
+        ended = 0
+        for request_id in list(self._streams):
+            stream = self._streams.pop(request_id, None)
+            if stream is None:  # it finished meanwhile
+                continue
+            ended += 1
+            self.metrics.finished("abort")
+            self._inbox.put(("abort", request_id))
+            with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody is listening
+                stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, error)
+        self._wake.set()
+        return ended
 
     # -- the engine thread ------------------------------------------------------------------------
 
@@ -294,11 +323,10 @@ class AsyncEngine:
             self.metrics.finished(out.finish_reason, now - stream.arrival, stream.prompt_tokens, stream.generated)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
+        last = isinstance(item, BaseException) or item.finished  # popped in one step: `abort` pops on other threads
+        stream = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
         if stream is None:
             return
-        if isinstance(item, BaseException) or item.finished:
-            del self._streams[request_id]
         try:
             stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is listening

@@ -8,11 +8,14 @@ aborts its requests. Bodies are bounded (`http_limits`), parsed and prepared off
 `serve` returns with an error so that the process exits and a supervisor restarts it.
 """
 
+import asyncio
 import contextlib
 import logging
+import signal
 import time
 from collections.abc import Callable
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
@@ -21,7 +24,7 @@ from pydantic import BaseModel
 from kiln import __version__
 from kiln.config import ServerConfig
 from kiln.errors import KilnError
-from kiln.runtime.async_engine import AsyncEngine
+from kiln.runtime.async_engine import AsyncEngine, EngineUnavailable
 from kiln.runtime.lockstep import StepFeed
 from kiln.runtime.metrics import CONTENT_TYPE
 from kiln.runtime.sampler import SamplingParams
@@ -120,10 +123,12 @@ def _server(request: Request) -> Server:
 # The routes carry comments, not docstrings: FastAPI would publish a docstring as the operation's
 # description in the OpenAPI schema.
 
-async def health(request: Request) -> Response:  # 200 while the engine thread runs, else 503 naming why
+async def health(request: Request) -> Response:  # 200 while the engine runs and admits, else 503 naming why
     engine = _server(request).engine
     if not engine.healthy:
         return error(503, f"the engine is not running ({engine.error})", "server_error")
+    if engine.closing is not None:
+        return error(503, engine.closing, "server_error", code="shutting_down")
     return KilnJSONResponse({"status": "ok"})
 
 
@@ -255,8 +260,6 @@ def serve(llm, config: ServerConfig | None = None, model_name: str | None = None
     """Serve `llm` (a loaded `kiln.LLM`) until interrupted: warm up, start the engine thread, listen.
     Under tensor parallelism this is rank 0, and `feed` carries each step's requests to the others.
     Raises KilnError if the engine thread stops on a failure, after the listener has shut down."""
-    import uvicorn
-
     config = config or ServerConfig()
     warm_up(llm)
     name = model_name or llm.model_dir.name
@@ -265,10 +268,11 @@ def serve(llm, config: ServerConfig | None = None, model_name: str | None = None
     url = f"{config.scheme}://{config.host}:{config.port}"
     app = create_app(engine, llm.tokenizer, name, llm.engine.max_model_len, config=config,
                      on_ready=lambda: logger.info("ready: %s serves %s", url, name))
-    listener = uvicorn.Server(uvicorn.Config(
+    listener = _Listener(uvicorn.Config(
         app, host=config.host, port=config.port, log_level="warning", http=guarded_protocol(config.header_timeout),
         timeout_keep_alive=config.keep_alive_timeout, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile, ssl_ciphers=config.ssl_ciphers))
+        ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile, ssl_ciphers=config.ssl_ciphers),
+        engine, config.shutdown_timeout)
     died: list[BaseException | None] = []
 
     def stopped() -> None:  # on the engine thread, which ended other than by shutdown
@@ -287,4 +291,44 @@ def serve(llm, config: ServerConfig | None = None, model_name: str | None = None
 
 
 GRACEFUL_SHUTDOWN_S = 10
-"""Seconds a stopping server waits for responses still being sent."""
+"""Seconds a stopping server waits, after its requests finished or were ended, for their responses to be sent."""
+
+
+class _Listener(uvicorn.Server):
+    """uvicorn's server, where SIGTERM or SIGINT drains rather than cuts: admission stops (503 with
+    Retry-After, /health 503) while the listener stays open, the admitted requests run for up to
+    `shutdown_timeout` seconds, the rest end with an error (an error event, or a 503), and then the
+    server exits 0. A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, shutdown_timeout: float):
+        super().__init__(config)
+        self.engine, self.shutdown_timeout = engine, shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:  # the signal handler, on the event loop's thread
+        if self._draining or self._loop is None:  # a second signal, or one before the loop listens
+            logger.warning("%s again: exiting now", signal.Signals(sig).name)
+            self.should_exit = self.force_exit = True
+            return
+        self._draining = True
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain(signal.Signals(sig).name)))
+
+    async def _drain(self, signal_name: str) -> None:
+        engine, timeout = self.engine, self.shutdown_timeout
+        engine.close(f"the server is shutting down ({signal_name}): retry on another replica or after the restart")
+        logger.warning("%s: admitting no more requests; %d in flight get up to %g s (--shutdown-timeout) to finish",
+                       signal_name, engine.num_requests, timeout)
+        deadline = time.monotonic() + timeout
+        while engine.num_requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        ended = engine.end_all(EngineUnavailable(
+            f"the server shut down ({signal_name}) before this request finished: its --shutdown-timeout of "
+            f"{timeout:g} s passed; retry it"))
+        if ended:
+            logger.warning("ended %d requests still running after %g s", ended, timeout)
+        self.should_exit = True

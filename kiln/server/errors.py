@@ -11,7 +11,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from kiln.errors import KilnError
-from kiln.runtime.async_engine import EngineUnavailable, Overloaded, RequestFailed, RequestTimedOut, StepFailed
+from kiln.runtime.async_engine import (EngineUnavailable, Overloaded, RequestFailed, RequestTimedOut, ShuttingDown,
+                                       StepFailed)
 from kiln.server.protocol import to_json
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,12 @@ async def _overloaded(request: Request, exc: Overloaded) -> JSONResponse:
     return response
 
 
+async def _shutting_down(request: Request, exc: ShuttingDown) -> JSONResponse:
+    response = error(503, str(exc), "server_error", code="shutting_down")
+    response.headers["Retry-After"] = "5"
+    return response
+
+
 async def _timed_out(request: Request, exc: RequestTimedOut) -> JSONResponse:
     return error(408, str(exc), "timeout_error")
 
@@ -117,7 +124,8 @@ async def _bug(request: Request, exc: Exception) -> JSONResponse:  # never expec
 
 HANDLERS = {RequestValidationError: _invalid, HTTPException: _http, ServerError: _server_error,
             KilnError: _kiln_error, RequestFailed: _request_failed, StepFailed: _step_failed,
-            EngineUnavailable: _unavailable, Overloaded: _overloaded, RequestTimedOut: _timed_out, Exception: _bug}
+            EngineUnavailable: _unavailable, Overloaded: _overloaded, ShuttingDown: _shutting_down,
+            RequestTimedOut: _timed_out, Exception: _bug}
 """The handler of each failure; Starlette picks the one nearest the raised type in its MRO."""
 
 

@@ -159,3 +159,38 @@ def test_stop_strings_are_found_where_a_search_of_each_finds_them():
             if found is not None:
                 assert text[found[0]:].startswith(found[1]) and found[1] in stop
         assert prepared.longest == max(map(len, stop))
+
+
+def test_a_request_finishing_as_its_client_aborts_is_ended_once(llm):
+    """The engine thread delivers a request's last output while the event loop aborts it: whichever comes
+    second finds it gone (it used to find the entry with `get` and then fail to `del` it, killing the
+    engine thread with a KeyError)."""
+    import asyncio
+
+    from kiln.runtime.async_engine import AsyncEngine, _Stream
+    from kiln.runtime.engine import RequestOutput
+
+    engine = AsyncEngine(llm.engine)  # not started: the two sides are called in the order under test
+    loop = asyncio.new_event_loop()
+
+    class AbortedBetween(dict):  # `abort` runs on the event loop just after the engine thread looked it up
+        def get(self, key, default=None):
+            found = super().get(key, default)
+            engine.abort(key)
+            return found
+
+    def last(request_id: str) -> RequestOutput:
+        return RequestOutput(request_id, None, [1], [2], "", None, None, "length")
+
+    try:
+        for order in ("deliver, abort inside", "abort, deliver", "deliver, abort"):
+            engine._streams = AbortedBetween() if order == "deliver, abort inside" else {}
+            engine._streams["r"] = stream = _Stream(loop, asyncio.Queue(), 1)
+            if order == "abort, deliver":
+                engine.abort("r")
+            engine._deliver("r", last("r"))
+            engine.abort("r")
+            loop.run_until_complete(asyncio.sleep(0))
+            assert not engine._streams and stream.outputs.qsize() == (order != "abort, deliver"), order
+    finally:
+        loop.close()

@@ -6,6 +6,7 @@ A seed of `KILL_ENGINE` raises outside any request's work, in the engine thread'
 server must then exit non-zero instead of answering 503 for ever."""
 
 import sys
+import time
 
 FAULTS = {
     7001: "preparation",  # Engine.add_request, on the engine thread
@@ -16,6 +17,8 @@ FAULTS = {
 }
 NAN_PROMPT_SCORES = 7006
 """Its prompt's scoring logits hold NaN and -inf: prompt logprobs of NaN and -inf must still be JSON."""
+SLOW_STEPS = 7008
+"""While a request with this seed runs, every step takes 0.1 s longer: requests that outlast a deadline."""
 KILL_ENGINE = 7999
 
 
@@ -71,8 +74,11 @@ def install() -> None:
 
     def drain(self):
         real_drain(self)
-        if any(_seeded(s.params, KILL_ENGINE) for s in self.engine.scheduler.waiting):
+        scheduler = self.engine.scheduler
+        if any(_seeded(s.params, KILL_ENGINE) for s in scheduler.waiting):
             raise Injected("the engine thread itself")
+        if any(_seeded(s.params, SLOW_STEPS) for s in (*scheduler.running, *scheduler.waiting)):
+            time.sleep(0.1)
 
     engine.Engine.add_request, engine.Engine._output = add_request, output
     engine.adjust_logits, engine.sample = adjust_logits, sample

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import socket
 import sys
 import time
@@ -16,7 +17,7 @@ import pytest
 
 from tests.oracle import PROMPTS
 from tests.processes import REPO, free_port, server_process
-from tests.server.faulty_serve import FAULTS, KILL_ENGINE, NAN_PROMPT_SCORES
+from tests.server.faulty_serve import FAULTS, KILL_ENGINE, NAN_PROMPT_SCORES, SLOW_STEPS
 
 MODEL = "demo"
 VOCAB = 512
@@ -274,3 +275,71 @@ def test_a_dead_engine_thread_ends_the_process(demo_dirs, tmp_path):
         assert proc.wait(timeout=60) == 1, "the server kept running with a dead engine"
     text = log.read_text()
     assert "the engine thread stopped" in text and "kiln: error: the engine stopped" in text
+
+
+def _events(lines: list[str]) -> list:
+    return [line[6:] if line == "data: [DONE]" else json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+
+
+def test_sigterm_drains_the_requests_in_flight(demo_dirs, tmp_path):
+    """A rolling restart: SIGTERM during 16 streams and 2 whole-answer requests. Admission stops (503 with
+    Retry-After, /health 503); the 8 short streams finish; the 8 long ones (slowed past --shutdown-timeout)
+    end with an error event and [DONE], the whole-answer ones with a 503; none is cut silently; exit 0."""
+    port, log = free_port(), tmp_path / "serve.log"
+    options = ("--max-model-len", "256", "--shutdown-timeout", "3")
+    with server_process(_command(demo_dirs["llama"], port, *options), port, log, env=ENV) as (proc, url):
+
+        async def restart():
+            first_tokens, all_started = 0, asyncio.Event()
+
+            async def stream(http: httpx.AsyncClient, body: dict) -> list:
+                nonlocal first_tokens
+                lines = []
+                async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+                    assert response.status_code == 200
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: ") and not lines:
+                            first_tokens += 1
+                            if first_tokens == 16:
+                                all_started.set()
+                        lines.append(line)
+                return _events(lines)
+
+            async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+                short = [stream(http, _body(PROMPTS[i % 4], max_tokens=12)) for i in range(8)]
+                slow = [stream(http, _body(PROMPTS[i % 4], max_tokens=200, seed=SLOW_STEPS)) for i in range(8)]
+                whole = [http.post("/v1/completions", json=_body(max_tokens=200, seed=SLOW_STEPS)) for _ in range(2)]
+                tasks = [asyncio.ensure_future(t) for t in (*short, *slow, *whole)]
+                await asyncio.wait_for(all_started.wait(), 60)
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.5)
+                refused, health = await http.post("/v1/completions", json=_body()), await http.get("/health")
+                return await asyncio.gather(*tasks), refused, health
+
+        (*streams, whole_a, whole_b), refused, health = asyncio.run(restart())
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "5", refused.text
+        assert "shutting down" in refused.json()["error"]["message"]
+        assert health.status_code == 503
+        for events in streams[:8]:
+            assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        for events in streams[8:]:
+            assert events[-1] == "[DONE]" and "--shutdown-timeout of 3 s passed" in events[-2]["error"]["message"]
+        for response in (whole_a, whole_b):
+            assert response.status_code == 503 and "shut down (SIGTERM)" in response.json()["error"]["message"]
+        assert proc.wait(timeout=30) == 0
+
+
+def test_a_second_signal_exits_at_once(demo_dirs, tmp_path):
+    """SIGTERM starts a drain of 60 s; SIGINT during it exits without waiting."""
+    port, log = free_port(), tmp_path / "serve.log"
+    options = ("--max-model-len", "256", "--shutdown-timeout", "60")
+    with server_process(_command(demo_dirs["llama"], port, *options), port, log, env=ENV) as (proc, url):
+        with httpx.stream("POST", url + "/v1/completions", timeout=120,
+                          json=_body(max_tokens=200, seed=SLOW_STEPS, stream=True)) as response:
+            next(response.iter_lines())
+            proc.send_signal(signal.SIGTERM)
+            while httpx.get(url + "/health").status_code == 200:
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=20) is not None
+    assert "SIGINT again: exiting now" in log.read_text()
