@@ -109,3 +109,25 @@ def processes_with(*args: str) -> list[int]:
         if any(words[i:i + len(args)] == list(args) for i in range(len(words))):
             found.append(int(entry.name))
     return found
+
+
+def children(pid: int) -> list[int]:
+    """Live (not zombie) child processes of `pid` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and alive(int(entry.name)):
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs: it exists and is not a zombie (a container's PID 1 may never reap one)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -4,10 +4,12 @@ import json
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
-from tests.processes import free_port, serving
+from tests.processes import alive, children, free_port, serving
 
 
 def kiln(*args, check=True):
@@ -81,6 +83,34 @@ def test_a_cache_that_cannot_be_a_directory_is_one_line(demo_dirs, tmp_path, mak
                 check=False)
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith(f"kiln: error: cannot use {cache}") and "--cache-dir, $KILN_CACHE" in proc.stderr
+
+
+def test_a_killed_compile_leaves_no_worker_behind(demo_dirs, tmp_path):
+    """SIGKILL on `kiln compile` while its forked workers compile: they die with it (they used to live on,
+    re-parented, ~350 MB each, blocked writing to a pipe nobody reads)."""
+    env = {**os.environ, "KILN_COMPILE_WORKERS": "2"}
+    proc = subprocess.Popen([sys.executable, "-m", "kiln", "compile", demo_dirs["qwen3"], "--cache-dir", tmp_path],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    command = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+    deadline = time.monotonic() + 180
+    try:
+        while len(workers := [p for p in children(proc.pid) if _cmdline(p) == command]) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "no compile workers were forked"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while any(map(alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(alive, workers)), "compile workers outlived their killed parent"
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def test_a_kv_cache_too_small_for_one_sequence_names_the_options(demo_dirs):

@@ -20,10 +20,12 @@ in this process before the compile fails, naming the piece.
 
 import _imp
 import copy
+import ctypes
 import importlib._bootstrap
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
@@ -240,7 +242,8 @@ def compile_jobs(jobs: list[CompileJob], names: Sequence[str] | None = None
                 yield _run_here(i, name(i))
             return
         logger.info("compiling %d libraries in %d processes", len(jobs), workers)
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_die_with_parent,
+                                 initargs=(os.getpid(),)) as pool:
             try:
                 futures = _submit_all(pool, len(jobs))
                 for future in as_completed(futures):
@@ -269,6 +272,21 @@ def _submit_all(pool: ProcessPoolExecutor, count: int) -> dict[Future, int]:
         logger.info("forking the compile workers waited %.2fs for other threads to finish an import or a config "
                     "restore", seconds)
     return futures
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent(parent: int) -> None:
+    """A worker's first act: have Linux SIGKILL it when its parent dies, however the parent dies (a
+    SIGKILL cannot be caught, and a worker left behind holds its memory, blocked on a pipe nobody reads).
+    The signal follows the thread that forked it, which waits for the workers before it returns."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            logger.warning("a compile worker cannot ask to die with its parent: %s", os.strerror(ctypes.get_errno()))
+    if os.getppid() != parent:  # the parent died before the request took
+        os._exit(1)
 
 
 def _run_here(index: int, name: str) -> tuple[int, CompiledLibrary, float]:
