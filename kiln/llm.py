@@ -1,8 +1,10 @@
 """`LLM`: offline batch generation, the Python entry point most users start from."""
 
 import logging
+import math
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -148,31 +150,53 @@ class LLM:
         return note + ")"
 
     def _check_memory(self, engine_config: EngineConfig) -> None:
-        """Fail before loading, with the numbers and what would fit, when the weights and a KV cache
-        cannot fit the memory available (instead of being killed by the OOM killer mid-load)."""
-        dtype = parse_dtype(self.dtype)
-        world = self.parallel.world_size
+        """Fail before loading when the weights and a KV cache cannot fit the memory available, with the
+        numbers and only the changes that would fit (instead of an OOM kill mid-load); and when the
+        context asked for is longer than the model's or than the KV cache asked for holds."""
+        cfg, c = self.model_config, engine_config
+        if c.max_model_len is not None and c.max_model_len > cfg.max_position_embeddings:
+            raise KilnError(f"max_model_len {c.max_model_len} exceeds the model's max_position_embeddings "
+                            f"{cfg.max_position_embeddings}: give --max-model-len {cfg.max_position_embeddings} or less")
+        dtype, world = parse_dtype(self.dtype), self.parallel.world_size
+        per_token = bytes_per_block(cfg, 1, dtype, max(1, cfg.num_kv_heads // world))  # this rank's heads
+        given = c.kv_cache_memory_bytes
+        if given is not None:
+            holds = given // (per_token * c.block_size) * c.block_size
+            if holds < (c.max_model_len or 2):
+                raise KilnError(f"the KV cache holds {holds} tokens, less than max_model_len "
+                                f"{c.max_model_len or cfg.max_position_embeddings}: give it more memory "
+                                "(--kv-cache-memory, --memory-utilization) or lower max_model_len (--max-model-len)")
         weights = self.weights.bytes_in(dtype, quantize=self.quantization) // world
-        tokens = engine_config.max_model_len or engine_config.max_num_batched_tokens  # one sequence, or one step
-        kv_min = engine_config.kv_cache_memory_bytes or bytes_per_block(self.model_config, 1, dtype) // world * tokens
         available = available_bytes(self.device) // (world if self.device.type == "cpu" else 1)
-        plan = MemoryPlan(weights, activation_bytes(self.model_config, engine_config.max_num_batched_tokens,
-                                                    engine_config.max_num_seqs), kv_min, available,
-                          engine_config.memory_utilization)
+        kv_min = given or per_token * (c.max_model_len or c.max_num_batched_tokens)  # one sequence, or one step
+        plan = MemoryPlan(weights, activation_bytes(cfg, c.max_num_batched_tokens, c.max_num_seqs), kv_min, available,
+                          c.memory_utilization, kv_given=given is not None)
+        if plan.fits:
+            return
         options = []
-        if dtype.itemsize == 4:
+        if dtype.itemsize == 4 and replace(plan, weights=weights // 2, kv_min=given or kv_min // 2).fits:
             options.append(f"--dtype bfloat16 (half the weights: {format_size(weights // 2)})")
-        if engine_config.kv_cache_memory_bytes is not None:
-            options.append("a smaller --kv-cache-memory")
-        elif engine_config.max_model_len is not None:
-            options.append("a smaller --max-model-len")
-        else:
-            options.append("a smaller --max-num-tokens (a smaller step needs less KV cache and activations)")
-        if engine_config.memory_utilization < 1:
-            options.append("a higher --memory-utilization")
-        options.append("more memory, or --tensor-parallel-size N over N GPUs" if self.device.type == "cuda"
-                       else "a machine with more memory")
-        plan.check(self.dtype, engine_config.kv_cache_memory_bytes is not None, options)
+        fit = max(plan.kv_room, 0) // (per_token * c.block_size) * c.block_size  # tokens of KV cache that fit
+        if given is not None and fit >= (c.max_model_len or 2):
+            options.append(f"--kv-cache-memory {format_size(fit * per_token)} or less")
+        elif given is None and c.max_model_len is not None and fit >= 2 * c.block_size:
+            # a tenth spare: the engine sizes the cache from the memory it finds once the weights are in
+            options.append(f"--max-model-len {fit * 9 // 10 // c.block_size * c.block_size} or less")
+        elif given is None and c.max_model_len is None:
+            step = c.max_num_batched_tokens // 2
+            while step >= 16 and not replace(plan, activations=activation_bytes(cfg, step, c.max_num_seqs),
+                                             kv_min=per_token * step).fits:
+                step //= 2
+            if step >= 16:
+                options.append(f"--max-num-tokens {step} (a smaller step needs less KV cache and activations)")
+        if given is None and c.memory_utilization < 1 and available > weights:
+            share = (plan.activations + kv_min) / (available - weights)
+            if share * 1.1 <= 1:
+                options.append(f"--memory-utilization {math.ceil(share * 110) / 100:g}")
+        more = format_size(plan.needed - available)
+        options.append(f"{more} more GPU memory, or --tensor-parallel-size N over N GPUs" if self.device.type == "cuda"
+                       else f"a machine with {more} more memory")
+        plan.check(self.dtype, options)
 
     def _pack_file(self, cache_dir: Path, quantization: str | None,
                    lm_head_quantization: str | None) -> PackFileOpener | None:

@@ -56,22 +56,41 @@ class MemoryPlan:
     """Bytes of this rank's weights in the dtype they run in."""
     activations: int
     kv_min: int
-    """The smallest KV cache worth starting with (one step's token budget), or the one asked for."""
+    """The smallest KV cache worth starting with (one sequence, or one step's token budget), or the one
+    asked for."""
     available: int
     utilization: float
     """The share of the memory left after the weights that the KV cache and activations may take
     (the engine sizes its KV cache by the same rule once the weights are in)."""
+    kv_given: bool = False
+    """The KV cache's size was asked for: it is taken as given, and `utilization` does not apply."""
+
+    @property
+    def needed(self) -> int:
+        """Bytes of memory available that this plan needs."""
+        if self.kv_given:
+            return self.weights + self.activations + self.kv_min
+        return self.weights + -(-(self.activations + self.kv_min) // self.utilization)
 
     @property
     def fits(self) -> bool:
-        return self.weights + (self.activations + self.kv_min) / self.utilization <= self.available
+        return self.needed <= self.available
 
-    def check(self, dtype_name: str, kv_given: bool, suggestions: list[str]) -> None:
+    @property
+    def kv_room(self) -> int:
+        """The most KV-cache bytes that fit beside the weights and activations, by this plan's rule."""
+        if self.kv_given:
+            return self.available - self.weights - self.activations
+        return int((self.available - self.weights) * self.utilization) - self.activations
+
+    def check(self, dtype_name: str, options: list[str]) -> None:
+        """KilnError with the numbers and `options` (each one a change that would fit), if it does not fit."""
         if self.fits:
             return
-        kv = "the KV cache asked for" if kv_given else "a minimal KV cache"
+        kv = "the KV cache asked for" if self.kv_given else "a minimal KV cache"
+        at = "" if self.kv_given else f", at memory utilization {self.utilization:g}"
         raise KilnError(
             f"the model does not fit: {format_size(self.weights)} of weights in {dtype_name} + {format_size(self.kv_min)} "
-            f"for {kv} + {format_size(self.activations)} for activations, at memory utilization {self.utilization:g}, "
-            f"but {format_size(self.available)} is available. Options: " + "; ".join(suggestions)
+            f"for {kv} + {format_size(self.activations)} for activations{at}, but {format_size(self.available)} "
+            "is available. Options: " + "; ".join(options)
         )

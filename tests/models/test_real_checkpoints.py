@@ -17,7 +17,8 @@ from kiln import LLM, SamplingParams
 from kiln.errors import KilnError
 from kiln.models.config import ModelConfig
 from kiln.runtime.kv_cache import bytes_per_block
-from kiln.runtime.memory import activation_bytes, available_bytes
+from kiln.runtime.memory import MemoryPlan, activation_bytes, available_bytes
+from kiln.weights.model_weights import ModelWeights
 from tests.oracle import PROMPTS, hf_greedy
 from tests.processes import REPO
 
@@ -122,8 +123,10 @@ def _sparse_checkpoint(model_dir, vocab: int, hidden: int):
 
 
 def test_a_model_too_large_for_memory_fails_before_loading_with_the_numbers(tmp_path):
-    nbytes = _sparse_checkpoint(tmp_path / "huge", vocab=4_000_000, hidden=2 * 4096)
-    assert nbytes * 2 > available_bytes(torch.device("cpu"))  # in float32 it cannot fit
+    hidden = 2 * 4096  # bfloat16 weights of 0.7x the memory available: only in float32 do they not fit
+    nbytes = _sparse_checkpoint(tmp_path / "huge", vocab=int(0.7 * available_bytes(torch.device("cpu"))) // (2 * hidden),
+                                hidden=hidden)
+    assert nbytes * 2 > available_bytes(torch.device("cpu"))
     with pytest.raises(KilnError) as err:
         LLM(tmp_path / "huge", dtype="float32")
     message = str(err.value)
@@ -150,7 +153,31 @@ def test_a_long_context_model_starts_with_max_model_len_capped(demo_dirs, tmp_pa
     assert f"max_model_len capped to {llm.engine.max_model_len} tokens" in caplog.text
     out = llm.generate(["The kiln was"], SamplingParams(max_tokens=4, temperature=0))[0]
     assert len(out.token_ids) == 4
-    with pytest.raises(KilnError, match="does not fit.*a smaller --max-model-len"):  # asked for explicitly: refused
+    with pytest.raises(KilnError, match="does not fit") as refused:  # asked for explicitly: refused
         LLM(long, memory_utilization=share, max_model_len=131072)
-    with pytest.raises(KilnError, match="holds 4096 tokens, less than max_model_len 8192"):
-        LLM(long, kv_cache_memory_bytes=4096 * per_token, max_model_len=8192, max_num_batched_tokens=256)
+    fit = int(re.search(r"--max-model-len (\d+) or less", str(refused.value))[1])
+    assert 0.7 * budget <= fit * per_token <= 1.2 * budget
+    assert "--dtype bfloat16" not in str(refused.value)  # half of 131072 tokens does not fit either: not offered
+    assert LLM(long, memory_utilization=share, max_model_len=fit).engine.max_model_len == fit  # the one offered fits
+
+
+def test_a_kv_cache_asked_for_is_checked_as_given():
+    """An explicit KV-cache size takes that many bytes: the utilization share applies to the automatic size
+    only (17G asked for was refused where the automatic size came to 17.3G)."""
+    G = 2**30
+    given = MemoryPlan(weights=10 * G, activations=G, kv_min=18 * G, available=30 * G, utilization=0.9, kv_given=True)
+    assert given.fits and given.kv_room == 19 * G
+    automatic = MemoryPlan(weights=10 * G, activations=G, kv_min=18 * G, available=30 * G, utilization=0.9)
+    assert not automatic.fits and automatic.kv_room == 17 * G
+
+
+def test_a_context_that_cannot_be_is_refused_before_loading(demo_dirs, monkeypatch):
+    """A max_model_len past the model's, or a KV cache asked for too small to hold one: refused before any
+    weight is read."""
+    monkeypatch.setattr(ModelWeights, "load_into", lambda *args: pytest.fail("loaded the weights first"))
+    per_token = bytes_per_block(ModelConfig.from_model_dir(demo_dirs["llama"]), 1, torch.float32)
+    with pytest.raises(KilnError, match="max_model_len 4096 exceeds the model's max_position_embeddings 2048: give "
+                                        "--max-model-len 2048 or less"):
+        LLM(demo_dirs["llama"], max_model_len=4096)
+    with pytest.raises(KilnError, match="holds 592 tokens, less than max_model_len 1024"):
+        LLM(demo_dirs["llama"], kv_cache_memory_bytes=600 * per_token, max_model_len=1024)
