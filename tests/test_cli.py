@@ -83,6 +83,9 @@ def test_a_cache_that_cannot_be_a_directory_is_one_line(demo_dirs, tmp_path, mak
                 check=False)
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith(f"kiln: error: cannot use {cache}") and "--cache-dir, $KILN_CACHE" in proc.stderr
+    for command in (["ls"], ["info", "abc"], ["prune", "--dry-run", "--older-than", "1d"]):  # not "no artifacts": the real cause
+        proc = kiln("cache", *command, "--cache-dir", cache, check=False)
+        assert proc.returncode == 1 and proc.stderr.startswith(f"kiln: error: cannot use {cache}"), proc.stderr
 
 
 def test_a_killed_compile_leaves_no_worker_behind(demo_dirs, tmp_path):

@@ -56,12 +56,20 @@ def read_entry(path: Path) -> Entry:
     return Entry(path.name, path, manifest, error, dir_bytes(path))
 
 
+def _names(cache_dir: Path) -> list[str]:
+    """The names in a cache directory; none where there is nothing yet. A path that cannot be one (a file,
+    a link loop, no permission) raises its OSError, for the CLI to name it."""
+    try:
+        return os.listdir(cache_dir)
+    except FileNotFoundError:
+        return []
+
+
 def list_entries(cache_dir: Path) -> list[Entry]:
     """Every artifact directory under `cache_dir`, newest first (in-progress and stale dirs are hidden)."""
     cache_dir = Path(cache_dir)
-    if not cache_dir.is_dir():
-        return []
-    paths = [p for p in cache_dir.iterdir() if p.is_dir() and KEY.fullmatch(p.name)]
+    paths = [cache_dir / name for name in _names(cache_dir)]
+    paths = [p for p in paths if p.is_dir() and KEY.fullmatch(p.name)]
     return sorted((read_entry(p) for p in paths), key=lambda e: e.created, reverse=True)
 
 
@@ -72,8 +80,9 @@ def find_entry(cache_dir: Path, key: str) -> Entry:
         if not (path / artifact.MANIFEST).is_file():
             raise KilnError(f"{path} is not an artifact directory (no {artifact.MANIFEST})")
         return read_entry(path)
-    matches = [p for p in Path(cache_dir).glob(f"{key}*") if p.is_dir() and KEY.fullmatch(p.name)] \
-        if re.fullmatch(r"[0-9a-f]{1,32}", key) else []
+    names = _names(Path(cache_dir)) if re.fullmatch(r"[0-9a-f]{1,32}", key) else []
+    matches = [Path(cache_dir) / n for n in names if n.startswith(key) and KEY.fullmatch(n)]
+    matches = [p for p in matches if p.is_dir()]
     if not matches:
         raise KilnError(f"no artifact {key!r} in {cache_dir}: `kiln cache ls` lists them")
     if len(matches) > 1:
