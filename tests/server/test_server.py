@@ -361,6 +361,26 @@ def test_vllm_and_openai_constraint_fields(served, fields, check):
         assert check(choice["text"]), choice
 
 
+def test_grammars_compile_off_the_engine_thread(served, monkeypatch):
+    """A 30 KB schema with n=16 (16 matchers): compiled once, on a worker thread before admission; the
+    engine thread only copies it (it used to build every matcher itself, 30 ms each, stalling every
+    stream). The choices still follow the schema."""
+    import threading
+
+    from kiln.runtime.structured_output import GrammarBackend
+
+    compiled_on, compile = [], GrammarBackend._compile
+    monkeypatch.setattr(GrammarBackend, "_compile", lambda self, grammar: compiled_on.append(
+        threading.current_thread().name) or compile(self, grammar))
+    schema = {"anyOf": [{"type": "object", "properties": {f"p{i}_{j}": {"type": "integer"} for j in range(10)},
+                         "required": [f"p{i}_{j}" for j in range(10)]} for i in range(75)]}
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 1.0, "seed": 5, "n": 16,
+            "guided_json": schema}
+    answer = httpx.post(served[0] + "/v1/completions", json=body, timeout=120).json()
+    assert len(answer["choices"]) == 16 and all(c["text"].startswith('{"p') for c in answer["choices"])
+    assert len(compiled_on) == 1 and compiled_on[0] != "kiln-engine", compiled_on
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "invalid json for structured output"),
