@@ -1,5 +1,6 @@
 """`kiln serve` against a hostile client: what each attack is answered, and what it costs the requests
-beside it.
+beside it; and how kiln stops (SIGTERM while serving, SIGKILL while compiling) and answers nonsense
+through its Python API and CLI.
 
     python benchmarks/abuse.py [--out results.json] [--skip-costs]
 
@@ -8,6 +9,13 @@ Two servers, each a fresh `kiln serve` process run eagerly, as a user would star
 - answers: the demo model, default limits. Each attack of the server's threat list once, with the
   status and message it gets, the seconds to its answer, the server's RSS before and after, and
   whether /health still answers 200 after it.
+- stalls: a streaming neighbour's largest gap between tokens, alone and beside three n-16 requests
+  with a 30 KB JSON schema each (grammars compile off the engine thread).
+- drain: SIGTERM during 16 long streams under --shutdown-timeout 2: how each stream ended (finished,
+  error event, cut), what a new request and /health got meanwhile, the exit status.
+- killed_compile: SIGKILL on `kiln compile` with two forked workers; how many live on 5 s later.
+- python_api_and_cli: a batch with one bad prompt and the call after it, nonsense LLM and
+  SamplingParams arguments, `kiln cache ls` on a file, a KV cache smaller than max_model_len.
 - costs: random weights in Qwen2.5-0.5B's shape with its full 151936-token vocabulary (a word-level
   tokenizer over it), the caps raised so that the costly requests are admitted. A plain request (32
   prompt tokens, 32 greedy tokens) is timed alone (median of 3), then again beside each attack: a
@@ -19,7 +27,10 @@ Two servers, each a fresh `kiln serve` process run eagerly, as a user would star
 
 import argparse
 import asyncio
+import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -103,6 +114,158 @@ async def _beside(url: str, attack) -> dict:
     return {"plain_s": round(latency, 3), **result}
 
 
+def _grammar(salt: int) -> dict:
+    """A 30 KB JSON schema: anyOf 75 objects of 10 required integers (property names salted, so that each
+    request compiles its own)."""
+    return {"anyOf": [{"type": "object", "properties": {f"p{salt}_{i}_{j}": {"type": "integer"} for j in range(10)},
+                       "required": [f"p{salt}_{i}_{j}" for j in range(10)]} for i in range(75)]}
+
+
+async def _largest_gap(url: str, attacks: list[dict]) -> float:
+    """A streaming neighbour's largest gap between tokens (seconds) while `attacks` are sent one after another."""
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        stamps = []
+
+        async def neighbour():
+            body = {"model": "m", "prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        stamps.append(time.perf_counter())
+
+        task = asyncio.create_task(neighbour())
+        while not stamps:
+            await asyncio.sleep(0.01)
+        for body in attacks:
+            await http.post("/v1/completions", json=body)
+        await task
+    return max(b - a for a, b in zip(stamps, stamps[1:]))
+
+
+def stalls(model_dir: Path) -> dict:
+    """Grammar building on the engine thread (#58 item 2): a streaming neighbour's largest gap between
+    tokens, alone and beside three back-to-back requests of n 16 with a 30 KB schema each."""
+    server, url, _ = start_server(model_dir, None, "--artifact", "eager", "--served-model-name", "m")
+    try:
+        attacks = [{"model": "m", "prompt": "x", "max_tokens": 2, "n": 16, "guided_json": _grammar(i)} for i in range(3)]
+        found = {"largest_gap_alone_s": round(asyncio.run(_largest_gap(url, [])), 3),
+                 "largest_gap_beside_s": round(asyncio.run(_largest_gap(url, attacks)), 3)}
+        print("grammar stall:", found, flush=True)
+        return found
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def drain(model_dir: Path) -> dict:
+    """A rolling restart (#58 item 5): SIGTERM during 16 streams that outlast --shutdown-timeout 2. How each
+    stream ended, what a request and /health got during the drain, and the exit status."""
+    server, url, _ = start_server(model_dir, None, "--artifact", "eager", "--served-model-name", "m",
+                                  "--shutdown-timeout", "2")
+
+    async def run() -> dict:
+        ends, started = [], asyncio.Event()
+
+        async def stream(http):
+            last, done = None, False
+            body = {"model": "m", "prompt": "hi", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+            try:
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            started.set()
+                            done, last = line == "data: [DONE]", last if line == "data: [DONE]" else line
+            except httpx.HTTPError:
+                done = False
+            ends.append(("error event" if '"error"' in (last or "") else "finished") if done else "cut")
+
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            tasks = [asyncio.create_task(stream(http)) for _ in range(16)]
+            await started.wait()
+            await asyncio.sleep(0.5)
+            start = time.perf_counter()
+            server.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            refused, health = await http.post("/v1/completions", json={"model": "m", "prompt": "hi"}), await http.get("/health")
+            await asyncio.gather(*tasks, return_exceptions=True)
+        code = await asyncio.to_thread(server.wait, 60)
+        return {"streams": {kind: ends.count(kind) for kind in ("finished", "error event", "cut")},
+                "during_drain": {"request": refused.status_code, "retry_after": refused.headers.get("retry-after"),
+                                 "health": health.status_code},
+                "exit_code": code, "exit_s": round(time.perf_counter() - start, 2)}
+
+    try:
+        found = asyncio.run(run())
+        print("drain:", found, flush=True)
+        return found
+    finally:
+        server.kill()
+
+
+def killed_compile(model_dir: Path, cache: Path) -> dict:
+    """SIGKILL on `kiln compile` while its forked workers compile (#58 item 4): workers alive 5 s later."""
+    env = {**os.environ, "KILN_COMPILE_WORKERS": "2"}
+    proc = subprocess.Popen([sys.executable, "-m", "kiln", "compile", str(model_dir), "--cache-dir", str(cache)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    command = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+    workers: list[int] = []
+    while len(workers) < 2 and proc.poll() is None:
+        time.sleep(0.1)
+        workers = [p for p in _children(proc.pid) if _read(f"/proc/{p}/cmdline") == command]
+    proc.kill()
+    proc.wait()
+    time.sleep(5)
+    alive = [p for p in workers if _read(f"/proc/{p}/stat").rsplit(b")", 1)[-1].split()[:1] not in ([], [b"Z"])]
+    for p in alive:
+        os.kill(p, signal.SIGKILL)
+    found = {"workers": len(workers), "alive_5s_after": len(alive)}
+    print("killed compile:", found, flush=True)
+    return found
+
+
+def _read(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError:
+        return b""
+
+
+def _children(pid: int) -> list[int]:
+    return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()
+            and _read(f"/proc/{e.name}/stat").rsplit(b")", 1)[-1].split()[1:2] == [str(pid).encode()]]
+
+
+def python_api_and_cli(model_dir: Path, work: Path) -> dict:
+    """#58 items 3, 7, 8 and 10: what the Python API and the CLI answer to nonsense, and when."""
+    from kiln import LLM, SamplingParams
+
+    def outcome(fn) -> str:
+        try:
+            fn()
+            return "accepted"
+        except Exception as e:  # noqa: BLE001 - the answer is the row
+            return f"{type(e).__name__}: {str(e)[:120]}"
+
+    llm = LLM(model_dir)
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    found = {"generate with one bad prompt": outcome(lambda: llm.generate(["The kiln", [99999]], greedy)),
+             "the next call": outcome(lambda: llm.generate(["The kiln"], greedy)),
+             "LLM(max_model_len=0)": outcome(lambda: LLM(model_dir, max_model_len=0)),
+             "SamplingParams(temperature=nan)": outcome(lambda: SamplingParams(temperature=float("nan"))),
+             'SamplingParams(seed="x")': outcome(lambda: SamplingParams(seed="x"))}
+    (work / "not-a-dir").write_text("x")
+    for name, args in (("kiln cache ls on a file", ["cache", "ls", "--cache-dir", str(work / "not-a-dir")]),
+                       ("kiln generate, KV cache below max_model_len", ["generate", str(model_dir), "--prompt", "x",
+                        "--kv-cache-memory", "64K", "--max-model-len", "1024"])):
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "kiln", *args], capture_output=True, text=True, timeout=300)
+        found[name] = {"exit": proc.returncode, "stderr": proc.stderr.strip()[-160:],
+                       "seconds": round(time.perf_counter() - start, 2)}
+    for name, value in found.items():
+        print(f"{name}: {value}", flush=True)
+    return found
+
+
 def costs(work: Path) -> dict:
     model_dir = write_model(work / "qwen2.5-0.5b-shape")
     server, url, ready = start_server(model_dir, None, "--artifact", "eager", "--served-model-name", "m",
@@ -180,8 +343,10 @@ def main() -> None:
     from kiln.models.demo import write_demo_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        results = {"machine": machine(),
-                   "answers": answers(write_demo_model(Path(tmp) / "demo", train_steps=0))}
+        demo = write_demo_model(Path(tmp) / "demo", train_steps=0)
+        results = {"machine": machine(), "answers": answers(demo), "stalls": stalls(demo), "drain": drain(demo),
+                   "killed_compile": killed_compile(demo, Path(tmp) / "cache"),
+                   "python_api_and_cli": python_api_and_cli(demo, Path(tmp))}
         if not args.skip_costs:
             results["costs"] = costs(Path(tmp))
     emit(results, args.out)
