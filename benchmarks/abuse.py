@@ -186,12 +186,19 @@ def drain(model_dir: Path) -> dict:
             start = time.perf_counter()
             server.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
-            refused, health = await http.post("/v1/completions", json={"model": "m", "prompt": "hi"}), await http.get("/health")
+            during = {}
+            for name, call in (("request", lambda: http.post("/v1/completions", json={"model": "m", "prompt": "hi"})),
+                               ("health", lambda: http.get("/health"))):
+                try:
+                    r = await call()
+                    during[name] = r.status_code if r.status_code != 503 or name == "health" else \
+                        f"503, Retry-After {r.headers.get('retry-after')}"
+                except httpx.HTTPError as e:
+                    during[name] = type(e).__name__
             await asyncio.gather(*tasks, return_exceptions=True)
         code = await asyncio.to_thread(server.wait, 60)
         return {"streams": {kind: ends.count(kind) for kind in ("finished", "error event", "cut")},
-                "during_drain": {"request": refused.status_code, "retry_after": refused.headers.get("retry-after"),
-                                 "health": health.status_code},
+                "during_drain": during,
                 "exit_code": code, "exit_s": round(time.perf_counter() - start, 2)}
 
     try:
