@@ -305,6 +305,7 @@ class _Listener(uvicorn.Server):
         self.engine, self.shutdown_timeout = engine, shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
+        self._drain_task: asyncio.Task | None = None
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -316,7 +317,10 @@ class _Listener(uvicorn.Server):
             self.should_exit = self.force_exit = True
             return
         self._draining = True
-        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain(signal.Signals(sig).name)))
+        self._loop.call_soon_threadsafe(self._start_drain, signal.Signals(sig).name)
+
+    def _start_drain(self, signal_name: str) -> None:
+        self._drain_task = self._loop.create_task(self._drain(signal_name))  # held: the loop keeps tasks weakly
 
     async def _drain(self, signal_name: str) -> None:
         engine, timeout = self.engine, self.shutdown_timeout
