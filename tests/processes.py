@@ -91,8 +91,12 @@ def server_process(cmd: list[str], port: int, log: Path, env: dict | None = None
                 time.sleep(0.2)
         yield proc, url
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        proc.terminate()  # a drain: what a test left in flight gets up to --shutdown-timeout
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def processes_with(*args: str) -> list[int]:

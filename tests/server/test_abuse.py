@@ -306,27 +306,29 @@ def test_sigterm_drains_the_requests_in_flight(demo_dirs, tmp_path):
                 return _events(lines)
 
             async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+                whole = [http.post("/v1/completions", json=_body(max_tokens=200, seed=SLOW_STEPS)) for _ in range(2)]
                 short = [stream(http, _body(PROMPTS[i % 4], max_tokens=12)) for i in range(8)]
                 slow = [stream(http, _body(PROMPTS[i % 4], max_tokens=200, seed=SLOW_STEPS)) for i in range(8)]
-                whole = [http.post("/v1/completions", json=_body(max_tokens=200, seed=SLOW_STEPS)) for _ in range(2)]
-                tasks = [asyncio.ensure_future(t) for t in (*short, *slow, *whole)]
+                tasks = [asyncio.ensure_future(t) for t in (*whole, *short, *slow)]  # the whole ones admitted first
                 await asyncio.wait_for(all_started.wait(), 60)
                 proc.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.5)
                 refused, health = await http.post("/v1/completions", json=_body()), await http.get("/health")
                 return await asyncio.gather(*tasks), refused, health
 
-        (*streams, whole_a, whole_b), refused, health = asyncio.run(restart())
+        (whole_a, whole_b, *streams), refused, health = asyncio.run(restart())
         assert refused.status_code == 503 and refused.headers["retry-after"] == "5", refused.text
         assert "shutting down" in refused.json()["error"]["message"]
-        assert health.status_code == 503
+        assert health.status_code == 503, health.text
         for events in streams[:8]:
-            assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+            assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length", events[-3:]
         for events in streams[8:]:
-            assert events[-1] == "[DONE]" and "--shutdown-timeout of 3 s passed" in events[-2]["error"]["message"]
+            assert events[-1] == "[DONE]" and "--shutdown-timeout of 3 s passed" in events[-2]["error"]["message"], \
+                events[-3:]
         for response in (whole_a, whole_b):
-            assert response.status_code == 503 and "shut down (SIGTERM)" in response.json()["error"]["message"]
-        assert proc.wait(timeout=30) == 0
+            assert response.status_code == 503 and "shut down (SIGTERM)" in response.json()["error"]["message"], \
+                response.text
+        assert proc.wait(timeout=30) == 0, log.read_text()[-3000:]
 
 
 def test_a_second_signal_exits_at_once(demo_dirs, tmp_path):
@@ -336,10 +338,12 @@ def test_a_second_signal_exits_at_once(demo_dirs, tmp_path):
     with server_process(_command(demo_dirs["llama"], port, *options), port, log, env=ENV) as (proc, url):
         with httpx.stream("POST", url + "/v1/completions", timeout=120,
                           json=_body(max_tokens=200, seed=SLOW_STEPS, stream=True)) as response:
-            next(response.iter_lines())
+            lines = response.iter_lines()  # held: a dropped iterator closes the stream, which aborts the request
+            first = next(lines)
+            assert response.status_code == 200 and first.startswith("data: {"), first
             proc.send_signal(signal.SIGTERM)
             while httpx.get(url + "/health").status_code == 200:
                 time.sleep(0.05)
             proc.send_signal(signal.SIGINT)
             assert proc.wait(timeout=20) is not None
-    assert "SIGINT again: exiting now" in log.read_text()
+    assert "SIGINT again: exiting now" in log.read_text(), log.read_text()[-3000:]
