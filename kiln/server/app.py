@@ -313,7 +313,8 @@ class _Listener(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame) -> None:  # the signal handler, on the event loop's thread
         if self._draining or self._loop is None:  # a second signal, or one before the loop listens
-            logger.warning("%s again: exiting now", signal.Signals(sig).name)
+            logger.warning("%s %s: exiting now", signal.Signals(sig).name,
+                           "again" if self._draining else "before the server listened")
             self.should_exit = self.force_exit = True
             return
         self._draining = True
