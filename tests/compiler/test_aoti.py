@@ -61,9 +61,10 @@ def test_cuda_libraries_run_without_the_containers_event_bookkeeping(monkeypatch
     assert library(3, "x") == ["x"]
 
 
-def test_a_library_with_the_cxx_runtime_linked_in_is_refused(monkeypatch, tmp_path):
+def test_a_library_with_the_cxx_runtime_linked_in_is_refused(monkeypatch, tmp_path, llama_artifact):
     """A compiler that links libstdc++ statically (seen as `$CXX` on a GPU machine) makes libraries
-    torch's runner crashes on: the compile refuses them, naming the compiler and the fix."""
+    torch's runner crashes on: the compile refuses them, naming the compiler and the fix. A library
+    built as usual (the session's demo artifact's) names libstdc++ as a shared library."""
     import shutil
 
     from torch._inductor import config
@@ -83,12 +84,13 @@ def test_a_library_with_the_cxx_runtime_linked_in_is_refused(monkeypatch, tmp_pa
     def piece(x, w):
         return (torch.relu(x @ w) + 1,)
 
-    graph = make_fx(piece)(torch.randn(4, 8), torch.randn(8, 8))
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     with fake_mode:
         examples = [torch.empty(4, 8), torch.empty(8, 8)]
-    built = compile_library(graph, examples, fake_mode)
-    assert any(name.startswith("libstdc++.so") for name in needed_libraries(built.library))
+    blobs = list((llama_artifact / "blobs").glob("*.so"))
+    assert blobs
+    for blob in blobs:
+        assert any(name.startswith("libstdc++.so") for name in needed_libraries(blob.read_bytes())), blob
     monkeypatch.setattr(config.cpp, "cxx", (str(compiler),))
     with pytest.raises(KilnError, match=r"static-g\+\+ linked the C\+\+ runtime .* statically.*CXX=/usr/bin/g\+\+"):
         compile_library(make_fx(piece)(torch.randn(4, 8), torch.randn(8, 8)), examples, fake_mode)
