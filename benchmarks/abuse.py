@@ -212,9 +212,9 @@ def drain(model_dir: Path) -> dict:
 def killed_compile(model_dir: Path, cache: Path) -> dict:
     """SIGKILL on `kiln compile` while its forked workers compile (#58 item 4): workers alive 5 s later."""
     env = {**os.environ, "KILN_COMPILE_WORKERS": "2"}
-    proc = subprocess.Popen([sys.executable, "-m", "kiln", "compile", str(model_dir), "--cache-dir", str(cache)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    command = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+    argv = [sys.executable, "-m", "kiln", "compile", str(model_dir), "--cache-dir", str(cache)]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    command = "\0".join(argv).encode() + b"\0"  # a forked worker's (/proc may show the parent's before the exec)
     workers: list[int] = []
     while len(workers) < 2 and proc.poll() is None:
         time.sleep(0.1)

@@ -106,9 +106,9 @@ def test_a_killed_compile_leaves_no_worker_behind(demo_dirs, tmp_path):
     """SIGKILL on `kiln compile` while its forked workers compile: they die with it (they used to live on,
     re-parented, ~350 MB each, blocked writing to a pipe nobody reads)."""
     env = {**os.environ, "KILN_COMPILE_WORKERS": "2", "KILN_PIECE_CACHE": str(tmp_path / "pieces")}  # all to compile
-    proc = subprocess.Popen([sys.executable, "-m", "kiln", "compile", demo_dirs["qwen3"], "--cache-dir", tmp_path],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    command = Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+    argv = [sys.executable, "-m", "kiln", "compile", str(demo_dirs["qwen3"]), "--cache-dir", str(tmp_path)]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    command = "\0".join(argv).encode() + b"\0"  # a forked worker's; not read from /proc before the exec
     deadline = time.monotonic() + 180
     try:
         while len(workers := [p for p in children(proc.pid) if _cmdline(p) == command]) < 2:
