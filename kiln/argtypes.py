@@ -18,21 +18,22 @@ def at_least(low: int):
     return parse
 
 
-def positive(text: str) -> float:
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number like 1.5, got {text!r}") from None
+
+
+def positive(text: str) -> float:
+    value = _number(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
     return value
 
 
 def not_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number like 1.5, got {text!r}") from None
+    value = _number(text)
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
