@@ -1,11 +1,11 @@
-"""`kiln bench startup`: the summary, the checks and the chart on synthetic results (fast), and one real
-run on a one-layer model (a cold compile, ~40 s on 2 cores)."""
+"""`kiln bench startup`: the summary, the checks and the chart on synthetic results. The real run (a cold
+compile, a warm one, an artifact and an eager first token) is CI's benchmark step in `.ci/run`, which fails
+on its checks; the suite does not run it a second time."""
 
 import argparse
 import json
 import statistics
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -138,47 +138,6 @@ def test_chart_is_a_png_of_the_medians(tmp_path):
     startup.write_chart(synthetic(), path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert imread(path).shape[:2] == (576, 960)  # 8 x 4.8 inches at 120 dpi
-
-
-def test_bench_startup_end_to_end(tmp_path, monkeypatch, capsys):
-    """The real measurement: a cold compile, a warm one, an artifact and an eager first token, once each."""
-    from kiln.models.demo import write_demo_model
-
-    model = write_demo_model(tmp_path / "one-layer", num_layers=1, train_steps=0)
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where measure makes (and must remove) its dirs
-    out = tmp_path / "result.json"
-    status = startup.run(parse(model, "--repeats", 1, "--max-artifact-ratio", 100, "--out", out))
-    printed = capsys.readouterr()
-    result = json.loads(printed.out)
-    assert status == 0, printed.err
-    assert json.loads(out.read_text()) == result and list(scratch.iterdir()) == []
-    assert result["repetitions"] == 1 and result["model"] == str(model.resolve())
-    assert set(result["machine"]) == {"cpus", "python", "torch"}
-    modes = result["modes"]
-    assert list(modes) == list(startup.MODES)
-    for name, summary in modes.items():
-        assert len(summary["samples_s"]) == len(summary["counters"]) == 1, name
-        assert summary["min_s"] == summary["median_s"] == summary["max_s"] > 0, name
-        assert f"{startup.LABELS[name]} 1/1:" in printed.err
-    (cold,) = modes["cold_compile"]["counters"]
-    assert cold["graphs_traced"] == 1 and cold["pieces_compiled"] >= 1
-    (warm,) = modes["warm_compile"]["counters"]
-    assert warm["graphs_traced"] == 0 and warm["pieces_compiled"] == 0
-    (artifact,) = modes["artifact_first_token"]["counters"]
-    assert artifact["graphs_traced"] == 0 and artifact["pieces_compiled"] == 0
-    assert artifact["blobs_loaded"] == result["artifact"]["blobs"] == cold["blobs_saved"]
-    assert modes["cold_compile"]["median_s"] > modes["warm_compile"]["median_s"]
-    ratio = modes["artifact_first_token"]["median_s"] / modes["eager_first_token"]["median_s"]
-    assert result["artifact_over_eager"] == pytest.approx(ratio, abs=1e-3)
-    checks = result["checks"]
-    assert {name: c["passed"] for name, c in checks.items()} == {
-        "cold_compile_compiles": True, "warm_compile_compiles_nothing": True,
-        "artifact_load_compiles_nothing": True, "artifact_over_eager": True}
-    assert checks["artifact_over_eager"]["limit"] == 100
-    assert checks["artifact_over_eager"]["value"] == result["artifact_over_eager"]
-    assert result["passed"] is True
 
 
 def test_bench_decode_reports_each_batch_against_the_bandwidth_floor(demo_dirs, tmp_path, capsys):

@@ -122,7 +122,7 @@ def write_demo_model(
 
 
 def train_on_corpus(model: "torch.nn.Module", ids: list[int], steps: int, seed: int = 0,
-                    progress: bool | None = None, seq_len: int = 64, batch: int = 16, lr: float = 3e-3) -> float:
+                    progress: bool | None = None, seq_len: int = 64, batch: int = 8, lr: float = 3e-3) -> float:
     """Next-token training on random windows of `ids` (AdamW, one-cycle schedule); returns the last loss."""
     import torch
     from tqdm import tqdm
