@@ -45,12 +45,11 @@ def _shaped_model(args: argparse.Namespace):
     from kiln.models.config import ModelConfig
     from kiln.models.quantization import check_int4_placement
     from kiln.models.registry import create_model
+    from kiln.weights.model_weights import ModelWeights
 
-    if not Path(args.model_dir).is_dir():
-        raise KilnError(f"model directory {args.model_dir} does not exist")
     # every rank compiles to the same graph, so rank 0's serves them all
     parallel = ParallelConfig(rank=0, world_size=args.tensor_parallel_size)
-    config = ModelConfig.from_model_dir(Path(args.model_dir))
+    config = ModelConfig.from_model_dir(ModelWeights.directory(args.model_dir, _cache_dir(args)))
     device = parse_device(args.device)
     held = getattr(config.quantization, "scheme", None)
     check_int4_placement(args.quantization or held, device)
@@ -441,8 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_generate_parser(sub) -> None:
     gen = sub.add_parser("generate", help="generate text from prompts (eager)", description="Generate text from "
                          "one or more prompts and print it. Greedy unless --temperature is set.")
-    gen.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model directory (config.json, "
-                     "*.safetensors, tokenizer.json)")
+    gen.add_argument("model_dir", metavar="MODEL", help="Hugging Face model directory (config.json, "
+                     "*.safetensors, tokenizer.json) or a .gguf file")
     gen.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
@@ -473,8 +472,8 @@ def _add_compile_parser(sub) -> None:
                           "for another artifact ($KILN_PIECE_CACHE, default CACHE_DIR/pieces; 'off' disables). "
                           "Unique pieces compile side by side in $KILN_COMPILE_WORKERS forked processes "
                           "(default: one per core; CPU only).")
-    comp.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model directory (config.json, "
-                      "*.safetensors); only its config is read")
+    comp.add_argument("model_dir", metavar="MODEL", help="Hugging Face model directory (config.json, "
+                      "*.safetensors) or a .gguf file; only its config is read")
     comp.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights and "
                       "activations dtype (default auto: the checkpoint's, config.json's torch_dtype)")
     _add_compile_options(comp)
@@ -495,8 +494,8 @@ def _add_serve_parser(sub) -> None:
                          "compiled artifact (compiling it first if absent, unless --require-artifact) and serve "
                          "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics with continuous "
                          "batching. Logs each start-up stage with -v.")
-    srv.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model directory (config.json, "
-                     "*.safetensors, tokenizer.json)")
+    srv.add_argument("model_dir", metavar="MODEL", help="Hugging Face model directory (config.json, "
+                     "*.safetensors, tokenizer.json) or a .gguf file")
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     srv.add_argument("--artifact", default="auto", metavar="auto|eager|PATH", help="auto: the cached artifact "

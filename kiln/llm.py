@@ -79,9 +79,10 @@ class LLM:
         **engine_options,
     ):
         start = time.perf_counter()
-        model_dir = self.model_dir = Path(model)
-        if not model_dir.is_dir():
-            raise KilnError(f"model directory {model_dir} does not exist")
+        self.model_name = Path(model).resolve().name
+        """The model's name as given (its directory's or GGUF file's), which the server reports."""
+        model_dir = self.model_dir = ModelWeights.directory(model, Path(cache_dir or default_cache_dir()))
+        """Where the model is read from: the directory given, or a GGUF file's view directory."""
         self.model_config = ModelConfig.from_model_dir(model_dir)
         self.weights = ModelWeights(model_dir)
         self.dtype = self.model_config.resolve_dtype(dtype)
@@ -229,7 +230,7 @@ class LLM:
         from kiln.compiler.compile import build_artifact  # the tracing path, only when needed
 
         result = build_artifact(self.model, compile_config, cache_dir, passes=passes,
-                                model_name=Path(self.model_dir).name)
+                                model_name=self.model_name)
         return bind.load(result.path, self.model, release_weights=True, packs=self._packs)
 
     def generate(

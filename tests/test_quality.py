@@ -92,6 +92,21 @@ def test_kiln_is_transformers_on_the_real_model(real_model, reference, tmp_path)
                                                                  rel=1e-5)
 
 
+def test_the_real_gguf_file_is_the_model_transformers_dequantized(real_model, reference, tmp_path):
+    """The shipped Q4_1 GGUF, run as a file (its tensors dequantized at load, its tokenizer and chat template
+    from its metadata): the greedy tokens of transformers on the directory it converted from the same file."""
+    from kiln import LLM, SamplingParams
+
+    tokenizer, _, prompts, hf = reference
+    llm = LLM(real_model.parent / smollm2.GGUF_NAME, cache_dir=tmp_path)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=len(hf["greedy"][0]), temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == hf["greedy"]
+    text = "Hello world, it's 2026! Ünïcode and  spaces\n\tend"
+    assert llm.tokenizer.encode(text) == tokenizer.encode(text)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    assert llm.tokenizer.apply_chat_template(chat) == tokenizer.apply_chat_template(chat)
+
+
 def test_int4_loses_no_more_than_llama_cpps_q4_k_m(real_model, reference):
     """kiln's int4 with its int8 LM head (as `peers.py` runs it), eager: its perplexity over the whole text
     within Q4_K_M's increase over full precision (it measured +0.9% where the symmetric recipe lost 56%)."""

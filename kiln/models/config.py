@@ -10,8 +10,12 @@ import torch
 
 from kiln.config import DTYPES
 from kiln.errors import KilnError
-from kiln.models.compressed_tensors import CheckpointQuantization, parse_quantization_config
-from kiln.weights.safetensors_file import SafetensorsFile, checkpoint_files
+from kiln.models.compressed_tensors import (
+    CheckpointQuantization,
+    parse_quantization_config,
+)
+from kiln.weights.checkpoint import checkpoint_files
+from kiln.weights.safetensors_file import SafetensorsFile
 
 logger = logging.getLogger(__name__)
 

@@ -262,7 +262,7 @@ def serve(llm, config: ServerConfig | None = None, model_name: str | None = None
     Raises KilnError if the engine thread stops on a failure, after the listener has shut down."""
     config = config or ServerConfig()
     warm_up(llm)
-    name = model_name or llm.model_dir.name
+    name = model_name or llm.model_name
     engine = AsyncEngine(llm.engine, feed=feed, model_name=name, max_queued=config.max_queued_requests,
                          request_timeout=config.request_timeout)
     url = f"{config.scheme}://{config.host}:{config.port}"

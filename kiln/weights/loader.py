@@ -1,4 +1,5 @@
-"""Load Hugging Face safetensors checkpoints (single file or sharded with an index) into kiln models.
+"""Load Hugging Face safetensors checkpoints (single file or sharded with an index), or a GGUF file
+through its view directory (`kiln.weights.gguf_file`), into kiln models.
 
 Every tensor is checked: a missing, unexpected or wrongly shaped tensor is one `KilnError` naming it.
 Tensors are read straight into their parameters where dtype and layout allow, on a thread per core
@@ -19,8 +20,10 @@ from kiln.kernels import quantize_weight
 from kiln.kernels.quant import quantize_weight_int4
 from kiln.models.llama import CausalLM
 from kiln.models.quantization import SCHEMES, int4_group
-from kiln.weights.safetensors_file import SafetensorsFile, checkpoint_files
 from kiln.models.tensor_parallel import Shard
+from kiln.weights.checkpoint import checkpoint_files, open_checkpoint
+from kiln.weights.gguf_file import FLOAT_TYPES, GgufFile
+from kiln.weights.safetensors_file import SafetensorsFile
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +42,7 @@ def checkpoint_bytes(model_dir: Path, dtype: torch.dtype, quantize: str | None =
     the files' headers alone."""
     total = 0
     for path in checkpoint_files(model_dir):
-        with SafetensorsFile(path) as f:
+        with open_checkpoint(path) as f:
             for name in f.keys():
                 stored = f.dtype(name)
                 if quantize and stored.itemsize > 1 and name.endswith(PROJECTION_WEIGHTS):
@@ -97,7 +100,7 @@ def _check_shape(name: str, tensor: torch.Tensor, want: tuple[int, ...], path: P
                         f"implies {list(want)}: the weights do not match the config")
 
 
-def _read(f: SafetensorsFile, name: str, shard: Shard | None, rows: int, path: Path) -> torch.Tensor:
+def _read(f: SafetensorsFile | GgufFile, name: str, shard: Shard | None, rows: int, path: Path) -> torch.Tensor:
     """Checkpoint tensor `name`, or only this rank's `shard` of it (a shard of rows is all that is read).
     Rows the parameter holds beyond the shard (vocabulary padding, a bias only rank 0 adds) are zeros."""
     if shard is None:
@@ -132,7 +135,7 @@ def _shard(model: CausalLM, name: str, param: torch.Tensor) -> Shard | None:
     return Shard(1, shard.start // per_column, shard.size // per_column)
 
 
-def _load_tensor(f: SafetensorsFile, name: str, model: CausalLM, params: dict, targets: dict,
+def _load_tensor(f: SafetensorsFile | GgufFile, name: str, model: CausalLM, params: dict, targets: dict,
                  pool: ThreadPoolExecutor) -> list[Future]:
     """Copy checkpoint tensor `name` into its slice of its parameter: a read submitted to `pool` when
     it can go straight into the parameter's memory, else done here (a cast, a shard, a scale)."""
@@ -218,7 +221,7 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> str:
     # (a VM's faults especially), and threads take their faults in parallel
     with ThreadPoolExecutor(torch.get_num_threads()) as pool:
         for path in checkpoint_files(model_dir):
-            with SafetensorsFile(path) as f:
+            with open_checkpoint(path) as f:
                 reads = []
                 try:
                     for name in f.keys():
@@ -234,6 +237,10 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> str:
                     read.result()
                 for key, digest in sorted(f.digests.items()):
                     content.update(f"{path.name}:{key}:".encode() + digest)
+                if getattr(f, "types", None):
+                    logger.info("%s: %s", path.name, ", ".join(
+                        f"{n} {t} tensors" + ("" if t in FLOAT_TYPES else " (dequantized at load)")
+                        for t, n in sorted(f.types.items())))
     missing = [name for name in targets if name not in loaded]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kiln.weights import huge_pages, loader, pack_cache
+from kiln.weights import checkpoint, huge_pages, loader, pack_cache
 from kiln.weights.pack_cache import PackFile, Slot
 
 PackFileOpener = Callable[[list[Slot]], PackFile]
@@ -26,6 +26,12 @@ class ModelWeights:
         self.model_dir = Path(model_dir)
         self.checksum: str | None = None
         """The checksum of every checkpoint byte loaded (`kiln.checksum`): what keys the packed weights."""
+
+    @staticmethod
+    def directory(model: str | Path, cache_dir: Path) -> Path:
+        """The directory model `model` is read from: a Hugging Face directory as given, a GGUF file through
+        its model view in `cache_dir` (`kiln.weights.gguf_file`)."""
+        return checkpoint.model_directory(model, cache_dir)
 
     def bytes_in(self, dtype: torch.dtype, quantize: str | None = None) -> int:
         """The memory the checkpoint's tensors take once loaded to run in `dtype`, its projections

@@ -114,23 +114,3 @@ class SafetensorsFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-INDEX_FILE = "model.safetensors.index.json"
-"""A sharded checkpoint's map of tensor names to files."""
-
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    """A checkpoint's safetensors files: those its index lists, else every one in `model_dir`."""
-    index = model_dir / INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({model_dir / f for f in weight_map.values()})
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise KilnError(f"{index} lists {', '.join(missing)}, which is not in {model_dir}")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise KilnError(f"{model_dir} has no *.safetensors weights (kiln does not read .bin/.pt checkpoints)")
-    return files

@@ -1,0 +1,52 @@
+"""Which files hold a model directory's weights, and the reader for each: safetensors (one file or shards
+with an index) or one GGUF file (a GGUF model's view directory links it, `kiln.weights.gguf_file`)."""
+
+import json
+from pathlib import Path
+
+from kiln.errors import KilnError
+from kiln.weights.gguf_file import GgufFile
+from kiln.weights.safetensors_file import SafetensorsFile
+
+INDEX_FILE = "model.safetensors.index.json"
+"""A sharded checkpoint's map of tensor names to files."""
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """A checkpoint's files: the safetensors files its index lists, else every one in `model_dir`, else its
+    one GGUF file."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise KilnError(f"{index} lists {', '.join(missing)}, which is not in {model_dir}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.gguf"))
+    if not files:
+        raise KilnError(f"{model_dir} has no *.safetensors weights (kiln does not read .bin/.pt checkpoints)")
+    if files[0].suffix == ".gguf" and len(files) > 1:
+        raise KilnError(f"{model_dir} holds {len(files)} GGUF files; pass the one to run (kiln compile FILE.gguf)")
+    return files
+
+
+def open_checkpoint(path: Path) -> SafetensorsFile | GgufFile:
+    """The reader for one checkpoint file, by its suffix."""
+    return GgufFile(path) if path.suffix == ".gguf" else SafetensorsFile(path)
+
+
+def model_directory(model: str | Path, cache_dir: Path) -> Path:
+    """The directory kiln reads model `model` from: a Hugging Face directory as it is, a GGUF file through
+    its view in `cache_dir` (`kiln.weights.gguf_file.model_view`)."""
+    path = Path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        from kiln.weights.gguf_file import model_view
+
+        return model_view(path, cache_dir)
+    if path.is_file():
+        raise KilnError(f"{path} is a file: kiln runs a Hugging Face model directory (config.json, safetensors, "
+                        "tokenizer) or a .gguf file")
+    if not path.is_dir():
+        raise KilnError(f"model directory {path} does not exist")
+    return path

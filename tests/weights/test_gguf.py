@@ -1,0 +1,124 @@
+"""GGUF checkpoints: a file written here by the `gguf` package (tests/gguf_writer.py), its projections in
+llama.cpp's quantized types, runs as the model its dequantized tensors make, with the config, tokenizer and
+chat template of its metadata; transformers on those tensors is the oracle."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from kiln import LLM, SamplingParams
+from kiln.errors import KilnError
+from kiln.models.demo import EOS_TOKEN, corpus, train_tokenizer
+from tests.gguf_writer import CHAT_TEMPLATE, write_gguf
+from tests.oracle import PROMPTS, hf_greedy
+
+gguf = pytest.importorskip("gguf")
+
+TYPES = {"q_proj": "Q8_0", "k_proj": "Q4_0", "v_proj": "Q4_1", "o_proj": "Q4_K", "gate_proj": "Q8_0",
+         "up_proj": "Q4_K", "down_proj": "Q6_K", "embed_tokens": "Q8_0", "lm_head": "F16"}
+"""Each kind of tensor in one of llama.cpp's types (norms and biases in F32, as its converter keeps them)."""
+
+
+def type_of(name: str) -> str:
+    kind = next((t for part, t in TYPES.items() if f"{part}.weight" in name), "F32")
+    return kind
+
+
+def _config(arch: str, vocab: int, eos: int):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                  bos_token_id=eos, eos_token_id=eos, initializer_range=0.05)
+    if arch == "llama":  # untied, its query and key rows permuted in the file
+        return LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0)
+    if arch == "qwen2":  # qkv biases, tied
+        return Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000000.0)
+    return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, rope_theta=1000000.0)  # q/k norms
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def gguf_model(request, tokenizer, tmp_path_factory):
+    """(arch, the GGUF file, transformers holding the file's dequantized tensors)."""
+    from transformers import AutoModelForCausalLM
+
+    arch = request.param
+    config = _config(arch, tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS_TOKEN))
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(config).eval()
+    path = tmp_path_factory.mktemp(f"gguf-{arch}") / f"tiny-{arch}.gguf"
+    held = write_gguf(source, tokenizer, path, arch, type_of)
+    reference = AutoModelForCausalLM.from_config(config).eval()
+    missing = reference.load_state_dict(held, strict=False).missing_keys
+    assert missing == (["lm_head.weight"] if config.tie_word_embeddings else [])
+    if config.tie_word_embeddings:
+        reference.tie_weights()
+    return arch, path, reference
+
+
+def test_a_gguf_file_runs_as_its_dequantized_tensors(gguf_model, tmp_path, caplog):
+    arch, path, reference = gguf_model
+    with caplog.at_level(logging.INFO, logger="kiln"):
+        llm = LLM(path, cache_dir=tmp_path)
+    config = llm.model_config
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.tie_word_embeddings) == \
+        (2, 8, 2, arch != "llama")
+    assert llm.model_name == path.name and llm.model_dir.parent == tmp_path / "gguf"
+    # the load log names each stored type, and the ones dequantized
+    assert "Q4_K tensors (dequantized at load)" in caplog.text and "Q6_K tensors (dequantized at load)" in caplog.text
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:4]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0))
+    for prompt, out in zip(prompts, outs):
+        tokens, logprobs = hf_greedy(reference, prompt, 8)
+        assert out.token_ids == tokens
+        np.testing.assert_allclose(out.logprobs, logprobs, atol=2e-4)
+
+
+def test_the_tokenizer_and_chat_template_come_from_the_metadata(gguf_model, tokenizer, tmp_path):
+    _, path, _ = gguf_model
+    llm = LLM(path, cache_dir=tmp_path)
+    for text in [*PROMPTS, corpus()[:2000]]:
+        assert llm.tokenizer.encode(text) == tokenizer.encode(text).ids
+    assert llm.tokenizer.chat_template == CHAT_TEMPLATE
+    assert llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}]) == "<|user|>Hi\n<|assistant|>"
+    again = LLM(path, cache_dir=tmp_path)  # the view is found again, not written twice
+    assert again.model_dir == llm.model_dir and len(list((tmp_path / "gguf").iterdir())) == 1
+
+
+def _metadata_only(path, arch: str, tensors: dict) -> None:
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    for name, (data, kind) in tensors.items():
+        writer.add_tensor(name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_files_kiln_cannot_run_are_refused_by_name(tmp_path):
+    other = tmp_path / "phi.gguf"
+    _metadata_only(other, "phi3", {"token_embd.weight": (np.zeros((4, 32), np.float32), None)})
+    with pytest.raises(KilnError, match="phi.gguf is a phi3 model; kiln runs GGUF files of llama, mistral"):
+        LLM(other, cache_dir=tmp_path)
+    ints = tmp_path / "ints.gguf"
+    _metadata_only(ints, "llama", {"token_embd.weight": (np.zeros((4, 32), np.int32), gguf.GGMLQuantizationType.I32)})
+    from kiln.weights.gguf_file import GgufFile
+
+    with pytest.raises(KilnError, match="tensor 'token_embd.weight' in ints.gguf is I32, a type kiln does not read"):
+        GgufFile(ints)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(KilnError, match="junk.gguf is not a readable GGUF file"):
+        LLM(junk, cache_dir=tmp_path)
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    with pytest.raises(KilnError, match="is a file: kiln runs a Hugging Face model directory .* or a .gguf file"):
+        LLM(text, cache_dir=tmp_path)
