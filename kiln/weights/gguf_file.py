@@ -50,7 +50,10 @@ FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat1
 """GGUF tensor types read as they are stored; every other type kiln reads is dequantized to fp32."""
 
 DEQUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-"""The quantized types read (dequantized at load)."""
+"""The quantized types read (dequantized at load, unless `EXACT_INT4` holds them as stored)."""
+
+EXACT_INT4 = {"Q4_0": 18, "Q4_1": 20}
+"""Types whose codes are kiln's int4 format as they are (`--quantization int4`), and their block's bytes."""
 
 def hf_name(name: str) -> str | None:
     """The Hugging Face name of GGUF tensor `name` (None: not a tensor of the architectures kiln runs)."""
@@ -192,6 +195,8 @@ class GgufFile:
         """How many tensors of each GGUF type the file holds (e.g. {"Q4_K": 120, "F32": 61})."""
         self.digests: dict[str, bytes] = {}
         """The checksum (`kiln.checksum`) of each tensor's stored bytes read, by name: the loaded contents' identity."""
+        self.exact: set[str] = set()
+        """The tensors read as kiln int4 codes unchanged (`int4_codes`), not dequantized."""
 
     def keys(self) -> list[str]:
         return list(self._tensors)
@@ -230,9 +235,44 @@ class GgufFile:
             values = _unpermute(values, self._heads[0] if ".q_proj." in name else self._heads[1])
         return values if rows is None else values[rows[0]:rows[0] + rows[1]].clone()
 
+    def int4_codes(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A Q4_0 or Q4_1 tensor's codes as kiln's int4 format holds them, unchanged: (codes [N, K / 2] uint8 in
+        `pack_nibbles`' order, scales and minimums [N, K / 32] fp16), each weight scale x code + min (Q4_0's
+        d x (q - 8) is a minimum of -8 d, exact in fp16). None for any other type."""
+        shape, qtype, begin, end = self._tensors[name]
+        if qtype.name not in EXACT_INT4:
+            return None
+        stored = np.asarray(self._map[begin:end])
+        self.digests[name] = checksum.digest(memoryview(stored))
+        self.exact.add(name)
+        blocks = stored.reshape(-1, EXACT_INT4[qtype.name])
+        scales = blocks[:, 0:2].copy().view(np.float16)[:, 0]
+        mins = blocks[:, 2:4].copy().view(np.float16)[:, 0] if qtype.name == "Q4_1" else scales * np.float16(-8)
+        qs = blocks[:, -16:]
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # a block's 16 bytes: values 0-15 low, 16-31 high
+        n, groups = shape[0], shape[1] // 32
+        packed = codes.reshape(n, -1)[:, 0::2] | (codes.reshape(n, -1)[:, 1::2] << 4)
+        out = [torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(scales.reshape(n, groups).copy()),
+               torch.from_numpy(np.ascontiguousarray(mins.reshape(n, groups)))]
+        if self.architecture in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = self._heads[0] if ".q_proj." in name else self._heads[1]
+            out = [_unpermute(t, heads) for t in out]
+        return tuple(out)
+
     def read_into(self, name: str, out: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
         """Read tensor `name` (or `rows` of it) into `out`, a tensor of its dtype and shape."""
         out.copy_(self.tensor(name, rows).reshape(out.shape))
+
+    def summary(self) -> str:
+        """The tensors read, by stored type, and how each was held (for the load log)."""
+        parts = []
+        for kind, count in sorted(self.types.items()):
+            exact = sum(1 for n in self.exact if self.stored_type(n) == kind)
+            how = [f"{exact} as kiln int4 codes unchanged"] if exact else []
+            if kind not in FLOAT_TYPES and count > exact:
+                how.append(f"{count - exact} dequantized at load")
+            parts.append(f"{count} {kind}" + (f" ({', '.join(how)})" if how else ""))
+        return ", ".join(parts)
 
     def close(self) -> None:
         self._tensors, self._map = {}, None

@@ -22,7 +22,7 @@ from kiln.models.llama import CausalLM
 from kiln.models.quantization import SCHEMES, int4_group
 from kiln.models.tensor_parallel import Shard
 from kiln.weights.checkpoint import checkpoint_files, open_checkpoint
-from kiln.weights.gguf_file import FLOAT_TYPES, GgufFile
+from kiln.weights.gguf_file import GgufFile
 from kiln.weights.safetensors_file import SafetensorsFile
 
 logger = logging.getLogger(__name__)
@@ -151,6 +151,13 @@ def _load_tensor(f: SafetensorsFile | GgufFile, name: str, model: CausalLM, para
     scheme = getattr(model, "quantize_on_load", None)
     if scheme is not None and scale is not None and f.dtype(name) != param.dtype:
         low = params.get(pname.removesuffix(".weight") + ".weight_min")
+        if scheme == "int4" and shard is None and isinstance(f, GgufFile) and scale.shape[1] * 32 == f.shape(name)[1]:
+            exact = f.int4_codes(name)  # a Q4_0 or Q4_1 tensor's codes are kiln's int4, as stored
+            if exact is not None:
+                for dest, value in zip((param, scale, low), exact):
+                    _check_shape(name, value, (rows, *dest.shape[1:]), f.path)
+                    dest.data[offset:offset + rows].copy_(value)
+                return []
         _quantize_into(_read(f, name, shard, rows, f.path), scheme, model, param, scale, low, offset, rows, name,
                        f.path)
         return []
@@ -237,10 +244,8 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> str:
                     read.result()
                 for key, digest in sorted(f.digests.items()):
                     content.update(f"{path.name}:{key}:".encode() + digest)
-                if getattr(f, "types", None):
-                    logger.info("%s: %s", path.name, ", ".join(
-                        f"{n} {t} tensors" + ("" if t in FLOAT_TYPES else " (dequantized at load)")
-                        for t, n in sorted(f.types.items())))
+                if isinstance(f, GgufFile):
+                    logger.info("%s: tensors %s", path.name, f.summary())
     missing = [name for name in targets if name not in loaded]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

@@ -72,7 +72,7 @@ def test_a_gguf_file_runs_as_its_dequantized_tensors(gguf_model, tmp_path, caplo
         (2, 8, 2, arch != "llama")
     assert llm.model_name == path.name and llm.model_dir.parent == tmp_path / "gguf"
     # the load log names each stored type, and the ones dequantized
-    assert "Q4_K tensors (dequantized at load)" in caplog.text and "Q6_K tensors (dequantized at load)" in caplog.text
+    assert "4 Q4_K (4 dequantized at load)" in caplog.text and "2 Q6_K (2 dequantized at load)" in caplog.text
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS[:4]]
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0))
     for prompt, out in zip(prompts, outs):
@@ -122,3 +122,37 @@ def test_files_kiln_cannot_run_are_refused_by_name(tmp_path):
     text.write_text("hello")
     with pytest.raises(KilnError, match="is a file: kiln runs a Hugging Face model directory .* or a .gguf file"):
         LLM(text, cache_dir=tmp_path)
+
+
+Q4 = {"q_proj": "Q4_0", "k_proj": "Q4_1", "v_proj": "Q4_0", "o_proj": "Q4_1", "gate_proj": "Q4_0", "up_proj": "Q4_1",
+      "down_proj": "Q4_0"}
+
+
+def test_q4_0_and_q4_1_codes_are_kiln_int4_as_stored(tokenizer, tmp_path, caplog):
+    """With `--quantization int4`, a Q4_0 or Q4_1 projection's codes, scales and minimums are kiln's int4 format
+    unchanged (a llama's, permuted in the file, back in order): the weights are exactly the file's."""
+    from transformers import AutoModelForCausalLM
+
+    from kiln.kernels.quant import dequantize_int4
+    from kiln.weights.loader import _sources
+
+    config = _config("llama", tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS_TOKEN))
+    torch.manual_seed(1)
+    path = tmp_path / "q4.gguf"
+    held = write_gguf(AutoModelForCausalLM.from_config(config), tokenizer, path, "llama",
+                      lambda name: next((t for p, t in Q4.items() if f"{p}.weight" in name), type_of(name)))
+    with caplog.at_level(logging.INFO, logger="kiln"):
+        llm = LLM(path, cache_dir=tmp_path, quantization="int4")
+    assert "8 Q4_0 (8 as kiln int4 codes unchanged)" in caplog.text
+    assert "6 Q4_1 (6 as kiln int4 codes unchanged)" in caplog.text
+    params = dict(llm.model.named_parameters())
+    checked = 0
+    for pname, param in params.items():
+        if param.dtype != torch.uint8:
+            continue
+        base = pname.removesuffix(".weight")
+        weights = dequantize_int4(param, params[base + ".weight_scale"], params[base + ".weight_min"])
+        want = torch.cat([held[name] for name, _, _ in _sources(llm.model, pname, param)])
+        assert torch.equal(weights, want), pname
+        checked += 1
+    assert checked == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
