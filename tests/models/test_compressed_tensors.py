@@ -95,16 +95,20 @@ def test_checkpoint_matches_dequantized_reference(demo_dirs, calibration, tmp_pa
 
 
 def _assert_matches(llm: LLM, reference) -> None:
-    """8 greedy tokens of 4 prompts: the reference's tokens, logprobs within 1e-3. kiln's and transformers'
-    attention differ by ~1e-6, which can tip one activation across a rounding boundary of the quantizer
-    (an fp8 step is 1/16 of the value): hence 1e-3, not 1e-4."""
+    """8 greedy tokens of 4 prompts: the reference's tokens, the typical logprob within 1e-4 and every one
+    within 1e-2. kiln's and transformers' attention differ by ~1e-6, which can tip one activation across a
+    rounding boundary of the quantizer (an fp8 step is 1/16 of the value; int4's int8 activation blocks a
+    1/127 of their largest): such a logprob moves by up to a few 1e-3 (seen: 2.9e-3)."""
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    diffs = []
     for prompt in PROMPTS[:4]:
         ids = llm.tokenizer.encode(prompt)
         out = llm.generate([ids], params)[0]
         tokens, logprobs = hf_greedy(reference, ids, 8)
         assert out.token_ids == tokens
-        torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(logprobs), atol=1e-3, rtol=0)
+        diffs += (torch.tensor(out.logprobs) - torch.tensor(logprobs)).abs().tolist()
+    diffs = torch.tensor(diffs)
+    assert diffs.max() < 1e-2 and diffs.median() < 1e-4, diffs
 
 
 @pytest.mark.parametrize("arch, group", [("llama", 128), ("qwen2", 32)])  # qwen2: 288 wide
@@ -179,8 +183,10 @@ def test_compiled_static_fp8_checkpoint_equals_eager(demo_dirs, calibration, tmp
     for c, e in zip(compiled, eager):
         assert c.token_ids == e.token_ids
         # the artifact may run the fp8 projections as oneDNN fp32 GEMMs on widened weights, which sum in
-        # another order than eager's; a static fp8 activation then rounds differently now and then
-        torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(e.logprobs), atol=5e-4, rtol=0)
+        # another order than eager's; a static fp8 activation then rounds differently now and then, and its
+        # logprob moves by up to a few 1e-3 (seen: 4.9e-3), while the typical one stays at 1e-4
+        diff = (torch.tensor(c.logprobs) - torch.tensor(e.logprobs)).abs()
+        assert diff.max() < 2e-2 and diff.median() < 1e-4, diff
 
 
 # -- bad input -----------------------------------------------------------------------------------

@@ -73,14 +73,16 @@ def greedy_reference(demo_dirs) -> dict:
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_greedy_tokens_agree_with_full_precision(demo_dirs, greedy_reference, arch, scheme):
-    """64 greedy tokens for each of 8 prompts on the trained demo models: >= 90% agree, position by
-    position, on the corpus's 8 paragraph openings; and, token by token given the reference prefix,
-    on the shared test prompts (which include one-word prompts with no single right continuation)."""
+    """64 greedy tokens for each of 8 prompts on the trained demo models: >= 90% agree (85% for 4-bit
+    weights), position by position, on the corpus's 8 paragraph openings; and, token by token given the
+    reference prefix, >= 90% on the shared test prompts (which include one-word prompts with no single right
+    continuation). Position by position, one early flip costs the rest of its sequence; the real model's
+    perplexity gates (tests/test_quality.py) bound what each scheme loses."""
     llm = LLM(demo_dirs[arch], quantization=scheme)
     reference = greedy_reference[arch]["openings"]
     same = sum(a == b for q, r in zip(llm.generate(OPENINGS, GREEDY64), reference)
                for a, b in zip(q.token_ids, r.token_ids))
-    assert len(OPENINGS) == 8 and same / (8 * 64) >= 0.9
+    assert len(OPENINGS) == 8 and same / (8 * 64) >= (0.85 if scheme == "int4" else 0.9)
     assert _teacher_forced_agreement(llm, greedy_reference[arch]["tests"]) >= 0.9
 
 

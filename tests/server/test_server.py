@@ -282,7 +282,7 @@ def _greedy_with_penalties(hf, prompt: list[int], n: int, bias: dict[int, float]
 
 @pytest.mark.parametrize("fields", [
     {"logit_bias": {"5": 100}}, {"logit_bias": {"first": -100, "17": 6.5}}, {"presence_penalty": 2.0},
-    {"frequency_penalty": 1.5}, {"repetition_penalty": 1.8}, {"presence_penalty": -2.0, "frequency_penalty": 0.5},
+    {"frequency_penalty": 1.5}, {"repetition_penalty": 1.8}, {"presence_penalty": -0.5, "frequency_penalty": 1.5},
 ])
 def test_penalties_and_biases_change_greedy_choices_by_their_formula(served, hf_models, eager, fields):
     """The demo model's logits are peaked: penalties within OpenAI's range change its greedy choice
