@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from kiln.argtypes import at_least, fraction, not_negative, positive, units
-from kiln.config import DTYPES, LM_HEAD_QUANTIZATIONS, QUANTIZATIONS
+from kiln.config import DTYPES, LM_HEAD_QUANTIZATIONS, NO_QUANTIZATION, QUANTIZATIONS
 from kiln.errors import KilnError
 
 DTYPE_CHOICES = ["auto", *DTYPES]
@@ -45,11 +45,14 @@ def _shaped_model(args: argparse.Namespace):
     from kiln.models.config import ModelConfig
     from kiln.models.quantization import check_int4_placement
     from kiln.models.registry import create_model
+    from kiln.models.quantization import stored_or
     from kiln.weights.model_weights import ModelWeights
 
     # every rank compiles to the same graph, so rank 0's serves them all
     parallel = ParallelConfig(rank=0, world_size=args.tensor_parallel_size)
-    config = ModelConfig.from_model_dir(ModelWeights.directory(args.model_dir, _cache_dir(args)))
+    model_dir = ModelWeights.directory(args.model_dir, _cache_dir(args))
+    config = ModelConfig.from_model_dir(model_dir)
+    args.quantization = stored_or(args.quantization, ModelWeights(model_dir))  # as LLM chooses it
     device = parse_device(args.device)
     held = getattr(config.quantization, "scheme", None)
     check_int4_placement(args.quantization or held, device)
@@ -221,9 +224,10 @@ def _add_compile_options(parser: argparse.ArgumentParser, cache_dir: bool = True
                         "else cpu)")
     parser.add_argument("--max-num-tokens", type=int, default=2048, metavar="N", help="largest batch in tokens "
                         "the compiled pieces serve (default 2048)")
-    parser.add_argument("--quantization", choices=QUANTIZATIONS, help="W8A8: weights per channel, "
-                        "activations per token, or for int8 on a CPU per token and block of 32, as llama.cpp's Q8_0 "
-                        "(default: none). w7a8 is int8 with 7-bit weight codes and per-token activations (fbgemm "
+    parser.add_argument("--quantization", choices=(*QUANTIZATIONS, NO_QUANTIZATION), help="W8A8: weights per "
+                        "channel, activations per token, or for int8 on a CPU per token and block of 32, as llama.cpp's "
+                        "Q8_0 (default: none; a GGUF file of Q4_0 and Q4_1 projections runs them as int4, exactly as "
+                        "stored, unless given none). w7a8 is int8 with 7-bit weight codes and per-token activations (fbgemm "
                         "runs it unsplit on x86 CPUs without VNNI). "
                         "int4 is W4A8: 4-bit weights with a scale and a minimum per 32, int8 activations with a "
                         "scale per 32 (CPU only; AVX2 or AVX-512 runs it on kiln's own kernel)")

@@ -16,6 +16,9 @@ QUANTIZATIONS = ("int8", "w7a8", "fp8", "int4")
 """`--quantization` schemes (`kiln.models.quantization.SCHEMES`): W8A8 int8 or fp8, int8 with 7-bit
 weight codes, which x86 CPUs without VNNI multiply about twice as fast as exact W8A8, and W4A8 int4
 (4-bit weights with a scale and a minimum per 32, activations with a scale per 32; CPU only)."""
+NO_QUANTIZATION = "none"
+"""`--quantization none`: full precision, also for a checkpoint whose stored codes would otherwise run as they
+are (a GGUF file of Q4_0 and Q4_1 projections runs as int4 unless told this)."""
 LM_HEAD_QUANTIZATIONS = ("int8", "w7a8")
 """`--lm-head-quantization` schemes (`kiln.models.lm_head`): the same two int8 forms."""
 

@@ -15,7 +15,7 @@ from kiln.config import (CompileConfig, EngineConfig, ParallelConfig, cpu_has_na
 from kiln.errors import KilnError
 from kiln.models.config import ModelConfig
 from kiln.models.lm_head import quantize_lm_head
-from kiln.models.quantization import check_int4_placement, check_scheme, quantize_model
+from kiln.models.quantization import check_int4_placement, check_scheme, quantize_model, stored_or
 from kiln.models.registry import create_model
 from kiln.passes import GraphPass
 from kiln.runtime.engine import Engine, RequestOutput
@@ -39,7 +39,8 @@ class LLM:
     `require_artifact=True` runs it too, and makes a missing or broken artifact an error instead.
     `quantization="int8"` or `"fp8"` quantizes the decoder's projections (W8A8, per-channel weights,
     per-token activations, int8's per token and block of 32 on a CPU) after loading, unless the checkpoint
-    is quantized already; `"w7a8"` is int8 with weight codes in [-63, 63] and per-token activations.
+    is quantized already; `"w7a8"` is int8 with weight codes in [-63, 63] and per-token activations. A GGUF
+    file of Q4_0 and Q4_1 projections runs them as `"int4"`, exactly as stored, unless given `"none"`.
     `passes` adds the user's own graph passes (`kiln.passes.GraphPass`) to the compile; they are part
     of the artifact key.
     `dtype="auto"` runs in the checkpoint's dtype (config.json's `torch_dtype`); "float32",
@@ -93,7 +94,7 @@ class LLM:
         self.parallel = _join_group(tensor_parallel_size, chosen.type)
         self.device = _pin(chosen)
         engine_config = EngineConfig(**engine_options)
-        self.quantization = check_scheme(quantization)
+        self.quantization = check_scheme(stored_or(quantization, self.weights))
         """The scheme the projections were quantized to at load (None: as the checkpoint has them)."""
         held = getattr(self.model_config.quantization, "scheme", None)
         check_int4_placement(self.quantization or held, self.device)
@@ -102,8 +103,8 @@ class LLM:
                                   quantize=self.quantization)  # a projection at a time: never all in full precision
         self.checkpoint_checksum = self.weights.load_into(self.model)
         """The checksum of every checkpoint byte loaded (`kiln.checksum`): what keys the packed weights."""
-        if quantization:  # done while loading; this refuses a checkpoint quantized with another scheme
-            quantize_model(self.model, quantization)
+        if self.quantization:  # done while loading; this refuses a checkpoint quantized with another scheme
+            quantize_model(self.model, self.quantization)
         if lm_head_quantization is not None:
             # an artifact's load packs the head for the GEMM it ships
             quantize_lm_head(self.model, lm_head_quantization, pack=not (artifact or compile or require_artifact))

@@ -97,14 +97,19 @@ def test_the_real_gguf_file_is_the_model_transformers_dequantized(real_model, re
     from its metadata): the greedy tokens of transformers on the directory it converted from the same file."""
     from kiln import LLM, SamplingParams
 
-    tokenizer, _, prompts, hf = reference
-    llm = LLM(real_model.parent / smollm2.GGUF_NAME, cache_dir=tmp_path)
+    tokenizer, chunks, prompts, hf = reference
+    llm = LLM(real_model.parent / smollm2.GGUF_NAME, cache_dir=tmp_path, quantization="none")
     outs = llm.generate(prompts, SamplingParams(max_tokens=len(hf["greedy"][0]), temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == hf["greedy"]
     text = "Hello world, it's 2026! Ünïcode and  spaces\n\tend"
     assert llm.tokenizer.encode(text) == tokenizer.encode(text)
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     assert llm.tokenizer.apply_chat_template(chat) == tokenizer.apply_chat_template(chat)
+    # by default its Q4_1 projections run as kiln's int4 codes, unchanged: only the activations' int8 blocks of
+    # 32 cost anything, as in llama.cpp's Q4_1 dot products (8 windows)
+    int4 = LLM(real_model.parent / smollm2.GGUF_NAME, cache_dir=tmp_path)
+    fp32, exact = quality.perplexity(hf["logprobs"][:8 * 127]), _perplexity(int4, chunks[:8])
+    assert int4.quantization == "int4" and fp32 < exact <= fp32 * 1.005, (fp32, exact)
 
 
 def test_int4_loses_no_more_than_llama_cpps_q4_k_m(real_model, reference):

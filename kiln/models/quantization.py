@@ -12,14 +12,18 @@ for a compressed-tensors checkpoint; with static activations each layer also hol
 `input_scale`. Embeddings, norms and the LM head stay in the model dtype.
 """
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from kiln.config import NO_QUANTIZATION
 from kiln.errors import KilnError
 from kiln.kernels import packed_linear, quantize_weight
 from kiln.kernels.quant import ACT_BLOCK, INT4_GROUP, quantize_weight_int4
+
+logger = logging.getLogger(__name__)
 
 ops = torch.ops.kiln
 
@@ -35,6 +39,18 @@ class Scheme:
 SCHEMES = {"int8": Scheme(torch.int8), "w7a8": Scheme(torch.int8, float(packed_linear.W7A8_MAX)),
            "fp8": Scheme(torch.float8_e4m3fn), "int4": Scheme(torch.uint8)}
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def stored_or(asked: str | None, weights) -> str | None:
+    """The scheme to run: `asked`, or where none was, the one the checkpoint holds its projections in as stored
+    (`ModelWeights.stored_quantization`); "none" is full precision either way."""
+    if asked == NO_QUANTIZATION:
+        return None
+    if asked is None and (stored := weights.stored_quantization()):
+        logger.info("%s holds its projections as kiln's %s codes: they run as stored (--quantization none for full "
+                    "precision)", weights.name, stored)
+        return stored
+    return asked
 
 
 def check_scheme(name: str | None) -> str | None:

@@ -8,6 +8,10 @@ from kiln.errors import KilnError
 from kiln.weights.gguf_file import GgufFile
 from kiln.weights.safetensors_file import SafetensorsFile
 
+PROJECTION_WEIGHTS = tuple(f".{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                       "down_proj"))
+"""A decoder's projection weights (Hugging Face's names): what `--quantization` quantizes."""
+
 INDEX_FILE = "model.safetensors.index.json"
 """A sharded checkpoint's map of tensor names to files."""
 
@@ -50,3 +54,16 @@ def model_directory(model: str | Path, cache_dir: Path) -> Path:
     if not path.is_dir():
         raise KilnError(f"model directory {path} does not exist")
     return path
+
+
+def stored_quantization(model_dir: Path) -> str | None:
+    """The kiln scheme a checkpoint already holds its projections in, as stored: "int4" for a GGUF file whose
+    projections are all Q4_0 or Q4_1 (kiln's int4 codes unchanged, `GgufFile.int4_codes`), else None."""
+    files = checkpoint_files(model_dir)
+    if files[0].suffix != ".gguf":
+        return None
+    from kiln.weights.gguf_file import EXACT_INT4
+
+    with GgufFile(files[0]) as f:
+        kinds = {f.stored_type(n) for n in f.keys() if n.endswith(PROJECTION_WEIGHTS)}
+    return "int4" if kinds and kinds <= set(EXACT_INT4) else None

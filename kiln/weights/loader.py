@@ -21,7 +21,7 @@ from kiln.kernels.quant import quantize_weight_int4
 from kiln.models.llama import CausalLM
 from kiln.models.quantization import SCHEMES, int4_group
 from kiln.models.tensor_parallel import Shard
-from kiln.weights.checkpoint import checkpoint_files, open_checkpoint
+from kiln.weights.checkpoint import PROJECTION_WEIGHTS, checkpoint_files, open_checkpoint
 from kiln.weights.gguf_file import GgufFile
 from kiln.weights.safetensors_file import SafetensorsFile
 
@@ -30,9 +30,6 @@ logger = logging.getLogger(__name__)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-PROJECTION_WEIGHTS = tuple(f".{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                       "down_proj"))
-"""The checkpoint tensors `--quantization` quantizes (Hugging Face's names)."""
 
 
 def checkpoint_bytes(model_dir: Path, dtype: torch.dtype, quantize: str | None = None) -> int:

@@ -33,6 +33,17 @@ class ModelWeights:
         its model view in `cache_dir` (`kiln.weights.gguf_file`)."""
         return checkpoint.model_directory(model, cache_dir)
 
+    @property
+    def name(self) -> str:
+        """The checkpoint's name for messages: its GGUF file's, else its directory's."""
+        files = checkpoint.checkpoint_files(self.model_dir)
+        return files[0].name if files[0].suffix == ".gguf" else self.model_dir.name
+
+    def stored_quantization(self) -> str | None:
+        """The scheme the checkpoint holds its projections in as stored, which runs them unchanged: "int4" for a
+        GGUF file of Q4_0 and Q4_1 projections; None for any other checkpoint."""
+        return checkpoint.stored_quantization(self.model_dir)
+
     def bytes_in(self, dtype: torch.dtype, quantize: str | None = None) -> int:
         """The memory the checkpoint's tensors take once loaded to run in `dtype`, its projections
         quantized with the `quantize` scheme (from file headers)."""

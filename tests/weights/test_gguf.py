@@ -129,8 +129,8 @@ Q4 = {"q_proj": "Q4_0", "k_proj": "Q4_1", "v_proj": "Q4_0", "o_proj": "Q4_1", "g
 
 
 def test_q4_0_and_q4_1_codes_are_kiln_int4_as_stored(tokenizer, tmp_path, caplog):
-    """With `--quantization int4`, a Q4_0 or Q4_1 projection's codes, scales and minimums are kiln's int4 format
-    unchanged (a llama's, permuted in the file, back in order): the weights are exactly the file's."""
+    """A Q4_0 or Q4_1 projection's codes, scales and minimums are kiln's int4 format unchanged (a llama's, permuted
+    in the file, back in order): a file of them runs as int4 unless told otherwise, its weights exactly the file's."""
     from transformers import AutoModelForCausalLM
 
     from kiln.kernels.quant import dequantize_int4
@@ -142,7 +142,8 @@ def test_q4_0_and_q4_1_codes_are_kiln_int4_as_stored(tokenizer, tmp_path, caplog
     held = write_gguf(AutoModelForCausalLM.from_config(config), tokenizer, path, "llama",
                       lambda name: next((t for p, t in Q4.items() if f"{p}.weight" in name), type_of(name)))
     with caplog.at_level(logging.INFO, logger="kiln"):
-        llm = LLM(path, cache_dir=tmp_path, quantization="int4")
+        llm = LLM(path, cache_dir=tmp_path)  # a file of Q4_0 and Q4_1 projections runs them as int4 by default
+    assert llm.quantization == "int4" and "q4.gguf holds its projections as kiln's int4 codes" in caplog.text
     assert "8 Q4_0 (8 as kiln int4 codes unchanged)" in caplog.text
     assert "6 Q4_1 (6 as kiln int4 codes unchanged)" in caplog.text
     params = dict(llm.model.named_parameters())
@@ -156,3 +157,5 @@ def test_q4_0_and_q4_1_codes_are_kiln_int4_as_stored(tokenizer, tmp_path, caplog
         assert torch.equal(weights, want), pname
         checked += 1
     assert checked == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
+    full = LLM(path, cache_dir=tmp_path, quantization="none")  # dequantized at load, as asked
+    assert full.quantization is None and all(p.dtype == torch.float32 for p in full.model.parameters())
