@@ -2,6 +2,7 @@
 llama.cpp's quantized types, runs as the model its dequantized tensors make, with the config, tokenizer and
 chat template of its metadata; transformers on those tensors is the oracle."""
 
+import json
 import logging
 
 import numpy as np
@@ -9,6 +10,8 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
+from kiln.cli import main
+from kiln.compiler.artifact import ArtifactMissing
 from kiln.errors import KilnError
 from kiln.models.demo import EOS_TOKEN, corpus, train_tokenizer
 from tests.gguf_writer import CHAT_TEMPLATE, write_gguf
@@ -128,7 +131,7 @@ Q4 = {"q_proj": "Q4_0", "k_proj": "Q4_1", "v_proj": "Q4_0", "o_proj": "Q4_1", "g
       "down_proj": "Q4_0"}
 
 
-def test_q4_0_and_q4_1_codes_are_kiln_int4_as_stored(tokenizer, tmp_path, caplog):
+def test_q4_0_and_q4_1_codes_are_kiln_int4_as_stored(tokenizer, tmp_path, caplog, capsys):
     """A Q4_0 or Q4_1 projection's codes, scales and minimums are kiln's int4 format unchanged (a llama's, permuted
     in the file, back in order): a file of them runs as int4 unless told otherwise, its weights exactly the file's."""
     from transformers import AutoModelForCausalLM
@@ -159,3 +162,9 @@ def test_q4_0_and_q4_1_codes_are_kiln_int4_as_stored(tokenizer, tmp_path, caplog
     assert checked == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
     full = LLM(path, cache_dir=tmp_path, quantization="none")  # dequantized at load, as asked
     assert full.quantization is None and all(p.dtype == torch.float32 for p in full.model.parameters())
+    # `kiln compile FILE.gguf` keys the same artifact as the LLM that runs it looks for: the same default scheme
+    for asked in ([], ["--quantization", "none"]):
+        assert main(["cache", "explain", "--model", str(path), "--cache-dir", str(tmp_path), "--json", *asked]) == 0
+        key = json.loads(capsys.readouterr().out)["key"]
+        with pytest.raises(ArtifactMissing, match=key):
+            LLM(path, cache_dir=tmp_path, require_artifact=True, quantization=asked[1] if asked else None)
