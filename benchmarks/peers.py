@@ -2,7 +2,7 @@
 
     python benchmarks/peers.py [--vllm-python VENV/bin/python] [--llama-cpp DIR] [--threads 2] [--out peers.json]
                                [--chart peers.png] [--work DIR] [--systems hf,kiln-eager,...] [--rounds 3]
-                               [--shape qwen2.5-0.5b|llama3-8b]
+                               [--shape qwen2.5-0.5b|llama3-8b] [--gguf FILE]
 
 The model is Qwen2.5-0.5B's shape with random fp32 weights, built here (tied embeddings really tied,
 as in the real checkpoint). The workload is the same for every system: 16 prompts of 32 token ids,
@@ -29,6 +29,10 @@ torchvision torchaudio torchcodec`), and llama.cpp-f32, -q8_0, -q4_k_m and -q4_0
 start time or tokens: `llama_cpp_peer.py`). Greedy outputs are compared with kiln eager's and HF's.
 Ratios against vLLM, HF and kiln eager are printed and written with the figures (JSON), and a bar
 chart is drawn with matplotlib.
+
+With `--gguf FILE` the model is that GGUF file, the same bytes for both systems: kiln-gguf (compiled, the
+file's projections as kiln holds them by default: a Q4_0/Q4_1 file's as int4 codes unchanged, with the
+int8 LM head) and llama.cpp-gguf (the file as it is).
 """
 
 import argparse
@@ -47,10 +51,12 @@ import llama_cpp_peer as llama_cpp  # noqa: E402  (benchmarks/, also when this f
 
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 16, 32, 64
 SYSTEMS = ("hf", "kiln-eager", "kiln-fp32", "kiln-int8", "kiln-w7a8", "kiln-int4", "vllm", *llama_cpp.QUANTS)
+GGUF_SYSTEMS = ("kiln-gguf", "llama.cpp-gguf")
+"""The systems of `--gguf FILE`: both run the file itself."""
 KILN_OPTIONS = {"kiln-eager": [], "kiln-fp32": [], "kiln-int8": ["--quantization", "int8"],
-                "kiln-w7a8": ["--quantization", "w7a8"], "kiln-int4": ["--quantization", "int4"]}
-COMPILED = ("kiln-fp32", "kiln-int8", "kiln-w7a8", "kiln-int4")
-LM_HEADS = {"kiln-int8": "int8", "kiln-w7a8": "w7a8", "kiln-int4": "int8"}
+                "kiln-w7a8": ["--quantization", "w7a8"], "kiln-int4": ["--quantization", "int4"], "kiln-gguf": []}
+COMPILED = ("kiln-fp32", "kiln-int8", "kiln-w7a8", "kiln-int4", "kiln-gguf")
+LM_HEADS = {"kiln-int8": "int8", "kiln-w7a8": "w7a8", "kiln-int4": "int8", "kiln-gguf": "int8"}
 """The LM head a quantized system runs (llama.cpp's Q4_K_M keeps its head in 6 bits, Q8_0 in 8)."""
 _MARK = "PEERS "
 
@@ -136,7 +142,9 @@ def child_kiln(model_dir: str, threads: int, start: float, system: str, cache: s
     if system != "kiln-eager":
         options |= {"compile": True, "require_artifact": True, "cache_dir": cache}
     if system in LM_HEADS:
-        options |= {"quantization": system.removeprefix("kiln-"), "lm_head_quantization": LM_HEADS[system]}
+        options["lm_head_quantization"] = LM_HEADS[system]
+        if KILN_OPTIONS[system]:
+            options["quantization"] = KILN_OPTIONS[system][1]
     llm = LLM(model_dir, max_num_seqs=PROMPTS, **options)
     ready = time.time() - start
 
@@ -232,7 +240,7 @@ def ratios(rounds: list[dict]) -> dict:
     """Each system's figures over each reference's, taken within each round, then the median over the
     rounds: < 1 is better for times, > 1 for tokens/s."""
     out = {}
-    for ref in ("vllm", "hf", "kiln-eager", *llama_cpp.QUANTS):
+    for ref in ("vllm", "hf", "kiln-eager", *llama_cpp.QUANTS, "llama.cpp-gguf"):
         if ref not in rounds[0]:
             continue
         out[f"vs_{ref}"] = {name: {label: _ratio(rounds, name, ref, key) for label, key in FIGURES.items()}
@@ -240,7 +248,7 @@ def ratios(rounds: list[dict]) -> dict:
     return out
 
 
-def chart(results: dict, path: Path, title: str = "Qwen2.5-0.5B shape, fp32") -> None:
+def chart(results: dict, path: Path, title: str = "Qwen2.5-0.5B shape, fp32, random weights") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -250,13 +258,13 @@ def chart(results: dict, path: Path, title: str = "Qwen2.5-0.5B shape, fp32") ->
               ("batch16_tok_s", "batch-16 decode (tokens/s)"), ("prefill_s", "prefill 16x32 (s)")]
     names = list(results)
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.8))
-    for ax, (key, title) in zip(axes, panels):
+    for ax, (key, label) in zip(axes, panels):
         values = [results[n].get(key, 0) for n in names]
         bars = ax.bar(names, values, color=["#c44" if n.startswith("kiln") else "#888" for n in names])
         ax.bar_label(bars, fmt="%.3g", fontsize=8)
-        ax.set_title(title, fontsize=10)
+        ax.set_title(label, fontsize=10)
         ax.tick_params(axis="x", rotation=45, labelsize=8)
-    fig.suptitle(f"{title}, random weights, 16 x 32-token prompts, 64 greedy tokens (medians)",
+    fig.suptitle(f"{title}, 16 x 32-token prompts, 64 greedy tokens (medians)",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -275,16 +283,24 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("peers.json"), help="JSON results (default peers.json)")
     parser.add_argument("--chart", type=Path, default=Path("peers.png"), help="bar chart (default peers.png)")
     parser.add_argument("--rounds", type=int, default=3, help="times each system runs, in rotated order (default 3)")
+    parser.add_argument("--gguf", type=Path, metavar="FILE", help=f"run {' and '.join(GGUF_SYSTEMS)} on this GGUF "
+                        "file instead (the same bytes for both; needs --llama-cpp for llama.cpp)")
     parser.add_argument("--shape", choices=SHAPES, default="qwen2.5-0.5b", help="the model: Qwen2.5-0.5B's shape in "
                         "fp32 (default), or Llama-3-8B's in bf16 (~16 GB, written shard by shard; only "
                         f"{', '.join(BIG_SYSTEMS)} run on it, and no packed weights are kept on disk)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.gguf and args.systems == ",".join(SYSTEMS):
+        args.systems = ",".join(GGUF_SYSTEMS)
     systems = [s for s in args.systems.split(",") if s]
-    unknown = sorted(set(systems) - set(SYSTEMS))
+    allowed = GGUF_SYSTEMS if args.gguf else SYSTEMS
+    unknown = sorted(set(systems) - set(allowed))
     if unknown:
-        parser.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+        parser.error(f"unknown systems {unknown}; choose from {', '.join(allowed)}"
+                     + (" (with --gguf)" if args.gguf else ""))
+    if args.gguf and not args.gguf.is_file():
+        parser.error(f"--gguf {args.gguf}: no such file")
     if "vllm" in systems and not args.vllm_python:
         print("vllm: skipped (no --vllm-python)", file=sys.stderr)
         systems.remove("vllm")
@@ -294,21 +310,25 @@ def main() -> None:
                          "in 24 GB, nor its F32 GGUF on the disk)")
         systems = [s for s in systems if s in BIG_SYSTEMS]
     if not args.llama_cpp:
-        if any(s in llama_cpp.QUANTS for s in systems):
+        if any(s in llama_cpp.QUANTS or s == "llama.cpp-gguf" for s in systems):
             print("llama.cpp: skipped (no --llama-cpp)", file=sys.stderr)
-        systems = [s for s in systems if s not in llama_cpp.QUANTS]
+        systems = [s for s in systems if s not in llama_cpp.QUANTS and s != "llama.cpp-gguf"]
     with tempfile.TemporaryDirectory(prefix="kiln-peers-") as tmp:
         work = args.work or Path(tmp)
         big = args.shape == "llama3-8b"
-        model_dir = write_big_model(work / "llama3-8b-shape") if big else write_model(work / "qwen2.5-0.5b-shape")
+        model_dir = args.gguf.resolve() if args.gguf else \
+            write_big_model(work / "llama3-8b-shape") if big else write_model(work / "qwen2.5-0.5b-shape")
         if big:  # the packed weights of an 8B model would take the disk the GGUFs need
             os.environ["KILN_PACK_CACHE"] = "off"
         cache = work / "cache"
         compiled = {s: compile_artifact(s, model_dir, cache, args.threads) for s in systems if s in COMPILED}
         if "vllm" in systems:  # a first start fills vLLM's compile cache: the table's "warm cache"
             run_child("vllm", model_dir, args.threads, cache, args.vllm_python)
-        ggufs = llama_cpp.prepare(model_dir, work, args.llama_cpp, [s for s in systems if s in llama_cpp.QUANTS],
-                                  source="Q8_0" if big else None)
+        quants = [s for s in systems if s in llama_cpp.QUANTS]
+        ggufs = llama_cpp.prepare(model_dir, work, args.llama_cpp, quants, source="Q8_0" if big else None) \
+            if quants else {}
+        if "llama.cpp-gguf" in systems:
+            ggufs["llama.cpp-gguf"] = model_dir
         rounds = []
         for i in range(args.rounds):
             measured = {}
@@ -332,15 +352,15 @@ def main() -> None:
             greedy[f"vs_{ref}"] = {n: agreement(t, tokens[ref]) for n, t in tokens.items() if n != ref}
     report = {"machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads,
                           "cpu_flags": _cpu_flags()},
-              "workload": {"shape": args.shape, "prompts": PROMPTS, "prompt_len": PROMPT_LEN,
+              "workload": {"shape": str(args.gguf) if args.gguf else args.shape, "prompts": PROMPTS, "prompt_len": PROMPT_LEN,
                            "new_tokens": NEW_TOKENS, "rounds": args.rounds},
               "results": results, "ratios": ratios(rounds), "greedy_agreement": greedy,
               "rounds": [{n: {k: v for k, v in r.items() if k != "tokens"} for n, r in rnd.items()} for rnd in rounds]}
     text = json.dumps(report, indent=2)
     print(text)
     args.out.write_text(text + "\n")
-    chart(report["results"], args.chart, "Llama-3-8B shape, bf16" if args.shape == "llama3-8b" else
-          "Qwen2.5-0.5B shape, fp32")
+    chart(report["results"], args.chart, args.gguf.name if args.gguf else "Llama-3-8B shape, bf16, random weights"
+          if args.shape == "llama3-8b" else "Qwen2.5-0.5B shape, fp32, random weights")
     print(f"wrote {args.out} and {args.chart}", file=sys.stderr)
 
 
