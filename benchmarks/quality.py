@@ -17,7 +17,10 @@ Adventures in Wonderland, chapters I-III (public domain, `benchmarks/data/alice.
 Greedy agreement: eight prompts, 32 new tokens each, against kiln-fp32's tokens (identical prompts,
 and the mean number of tokens before the first difference). Systems: hf, kiln-eager, kiln-fp32,
 kiln-int8 and kiln-int4 (with the int8 LM head, as `peers.py` runs them), kiln-w7a8, and with
-`--llama-cpp` llama.cpp-f32, -q8_0, -q4_k_m, -q4_0.
+`--llama-cpp` llama.cpp-f32, -q8_0, -q4_k_m, -q4_0. kiln-gguf and llama.cpp-gguf run a GGUF file itself
+(`--gguf FILE`, by default the model's own file beside its directory): the same bytes on both sides,
+kiln holding them as it does by default (a Q4_0/Q4_1 file's projections as int4 codes unchanged, with
+the int8 LM head).
 """
 
 import argparse
@@ -41,8 +44,8 @@ from peers import KILN_OPTIONS, LM_HEADS  # noqa: E402
 
 TEXT = HERE / "data" / "alice.txt"
 LLAMA_CPP = tuple(llama_cpp.QUANTS)
-KILN = ("kiln-eager", "kiln-fp32", "kiln-int8", "kiln-w7a8", "kiln-int4")
-SYSTEMS = ("hf", *KILN, *LLAMA_CPP)
+KILN = ("kiln-eager", "kiln-fp32", "kiln-int8", "kiln-w7a8", "kiln-int4", "kiln-gguf")
+SYSTEMS = ("hf", *KILN, *LLAMA_CPP, "llama.cpp-gguf")
 DEFAULT_SYSTEMS = ("hf", "kiln-fp32", "kiln-int8", "kiln-int4", *LLAMA_CPP)
 PROMPTS = ("The capital of France is", "Water boils at a temperature of", "The three primary colors are",
            "def fibonacci(n):\n", "Once upon a time, in a small village,", "The largest planet in our solar system is",
@@ -126,7 +129,9 @@ def kiln_run(system: str, model_dir: Path, chunks: list[list[int]], prompts: lis
     if system != "kiln-eager":
         options |= {"compile": True, "cache_dir": cache}
     if system in LM_HEADS:
-        options |= {"quantization": KILN_OPTIONS[system][1], "lm_head_quantization": LM_HEADS[system]}
+        options["lm_head_quantization"] = LM_HEADS[system]
+        if KILN_OPTIONS[system]:
+            options["quantization"] = KILN_OPTIONS[system][1]
     start = time.perf_counter()
     llm = LLM(model_dir, **options)
     load_s = time.perf_counter() - start
@@ -213,12 +218,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="CPU threads for every system (default 2)")
     parser.add_argument("--work", type=Path, help="artifacts and GGUF files (default: a temporary dir)")
     parser.add_argument("--out", type=Path, help="write the JSON here too")
+    parser.add_argument("--gguf", type=Path, metavar="FILE", help="the GGUF file kiln-gguf and llama.cpp-gguf run "
+                        "(default: the model's own, beside its directory)")
     args = parser.parse_args()
     systems = [s for s in args.systems.split(",") if s]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         parser.error(f"unknown systems {unknown}: choose from {', '.join(SYSTEMS)}")
-    if any(s in LLAMA_CPP for s in systems) and not args.llama_cpp:
+    if any(s in LLAMA_CPP or s == "llama.cpp-gguf" for s in systems) and not args.llama_cpp:
         parser.error("llama.cpp's systems need --llama-cpp DIR (benchmarks/build_llama_cpp.sh builds it)")
     if args.ctx < 4 or args.ctx % 2:
         parser.error(f"--ctx must be an even number of at least 4, got {args.ctx}")
@@ -246,13 +253,18 @@ def main() -> None:
                 parser.error(f"llama.cpp's systems need the model's own GGUF beside {model} (its tokenizer): "
                              "use the directory benchmarks/smollm2.py wrote")
             files = llama_cpp.prepare(model, work, args.llama_cpp, llama_systems, tokenizer=gguf)
+        if any(s.endswith("-gguf") for s in systems):
+            files["llama.cpp-gguf"] = args.gguf or model.parent / smollm2.GGUF_NAME
+            if not files["llama.cpp-gguf"].is_file():
+                parser.error(f"no GGUF file {files['llama.cpp-gguf']}: give --gguf FILE")
         for system in systems:
             start = time.perf_counter()
             try:
                 if system == "hf":
                     run = hf_run(model, chunks, prompts, args.ctx)
                 elif system in KILN:
-                    run = kiln_run(system, model, chunks, prompts, args.ctx, work / "cache", args.threads)
+                    source = files["llama.cpp-gguf"] if system == "kiln-gguf" else model
+                    run = kiln_run(system, source, chunks, prompts, args.ctx, work / "cache", args.threads)
                 else:
                     run = llama_cpp_run(system, files, args.llama_cpp, args.text, args.ctx, args.windows, args.threads)
             except Exception as e:  # one system's failure is reported, the others still run
