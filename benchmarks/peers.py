@@ -200,8 +200,9 @@ def run_child(system: str, model_dir: Path, threads: int, cache: Path, python: s
 
 def compile_artifact(system: str, model_dir: Path, cache: Path, threads: int) -> float:
     start = time.perf_counter()
+    head = ["--lm-head-quantization", LM_HEADS[system]] if system in LM_HEADS else []
     proc = subprocess.run(["kiln", "compile", str(model_dir), "--cache-dir", str(cache), "--threads", str(threads),
-                           *KILN_OPTIONS[system]], capture_output=True, text=True)
+                           *KILN_OPTIONS[system], *head], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"kiln compile for {system} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return round(time.perf_counter() - start, 2)

@@ -57,8 +57,13 @@ def _shaped_model(args: argparse.Namespace):
     held = getattr(config.quantization, "scheme", None)
     check_int4_placement(args.quantization or held, device)
     # quantized layers built empty, as a load fills them: an 8B model's full-precision weights never exist here
-    return create_model(config, parse_dtype(config.resolve_dtype(args.dtype)), device, parallel=parallel,
-                        quantize=args.quantization)
+    model = create_model(config, parse_dtype(config.resolve_dtype(args.dtype)), device, parallel=parallel,
+                         quantize=args.quantization)
+    if args.lm_head_quantization:  # the artifact ships the int8 head's kernel, and the key says so
+        from kiln.models.lm_head import quantize_lm_head
+
+        quantize_lm_head(model, args.lm_head_quantization, pack=False)
+    return model
 
 
 def _cache_dir(args: argparse.Namespace):
@@ -231,6 +236,11 @@ def _add_compile_options(parser: argparse.ArgumentParser, cache_dir: bool = True
                         "runs it unsplit on x86 CPUs without VNNI). "
                         "int4 is W4A8: 4-bit weights with a scale and a minimum per 32, int8 activations with a "
                         "scale per 32 (CPU only; AVX2 or AVX-512 runs it on kiln's own kernel)")
+    parser.add_argument("--lm-head-quantization", choices=LM_HEAD_QUANTIZATIONS, help="run the LM head on int8 "
+                        "weights (per channel) and activations (per 32 where the artifact ships kiln's blocked int8 "
+                        "GEMM, else per token): a quarter of fp32's bytes, for large "
+                        "vocabularies (w7a8: 7-bit weight codes, faster on x86 CPUs without VNNI); "
+                        "benchmarks/quantization.py reports its effect on greedy outputs (default: the model dtype)")
     parser.add_argument("--tensor-parallel-size", type=at_least(1), default=1, metavar="N", help="split the model "
                         "over N ranks (gloo on CPU, NCCL on CUDA). compile builds the one artifact all N ranks load; "
                         "generate and serve start the ranks under torchrun unless already run by it (default 1)")
@@ -257,11 +267,6 @@ def _add_engine_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=at_least(2), metavar="N", help="prompt + generated tokens per "
                         "request (default: the model's max_position_embeddings, capped to what the KV cache holds)")
 
-    parser.add_argument("--lm-head-quantization", choices=LM_HEAD_QUANTIZATIONS, help="run the LM head on int8 "
-                        "weights (per channel) and activations (per 32 where the artifact ships kiln's blocked int8 "
-                        "GEMM, else per token): a quarter of fp32's bytes, for large "
-                        "vocabularies (w7a8: 7-bit weight codes, faster on x86 CPUs without VNNI); "
-                        "benchmarks/quantization.py reports its effect on greedy outputs (default: the model dtype)")
 
     parser.add_argument("--kv-cache-memory", type=units(parse_size), metavar="SIZE", help="memory for the paged "
                         "KV cache, e.g. 8G (default: --memory-utilization of the memory left after the weights); "

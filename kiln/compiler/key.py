@@ -74,12 +74,14 @@ def key_factors(
     pass_uuids: dict[str, str] | None = None,
     device: str = "cpu",
     tensor_parallel_size: int = 1,
+    lm_head_quantization: str | None = None,
 ) -> dict:
     model = {k: v for k, v in dataclasses.asdict(model_config).items() if k not in NOT_IN_GRAPH}
     factors = {
         "model": model,
         "dtype": dtype_name(dtype),
         "quantization": quantization,
+        "lm_head_quantization": lm_head_quantization,  # the head's kernel ships as a library for it
         "compile": dataclasses.asdict(compile_config),
         "passes": dict(pass_uuids or {}),
         "tensor_parallel_size": tensor_parallel_size,  # every rank runs the same graph: the rank is no factor
@@ -101,4 +103,5 @@ def model_factors(model: CausalLM, compile_config: CompileConfig, passes: Sequen
     uuids = PassManager(compile_config.passes, passes).uuids()
     device = next(model.parameters()).device.type  # "cuda", not "cuda:1": the GPU's kind is in system_info
     return key_factors(model.config, model.dtype, compile_config, getattr(model, "quantization", None), uuids,
-                       device=device, tensor_parallel_size=model.layout.world_size)
+                       device=device, tensor_parallel_size=model.layout.world_size,
+                       lm_head_quantization=getattr(model, "lm_head_quantization", None))

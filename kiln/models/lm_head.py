@@ -396,5 +396,6 @@ def quantize_lm_head(model, scheme: str, pack: bool = True) -> None:
         raise KilnError(f"unknown LM head quantization {scheme!r}; choose from {', '.join(LM_HEAD_QUANTIZATIONS)}")
     weight = model.lm_head_weight()
     model.lm_head_kernel = Int8Head(weight, SCHEMES[scheme].weight_max, pack=pack)
+    model.lm_head_quantization = scheme  # a key factor: the artifact ships the head's kernel for it
     logger.info("LM head quantized to %s (%d x %d): %.0f MB instead of %.0f MB", scheme, *weight.shape,
                 weight.numel() / 1e6, weight.numel() * weight.element_size() / 1e6)

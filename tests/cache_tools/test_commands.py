@@ -155,6 +155,12 @@ def test_explain_a_model_against_the_cache(cache, llama_artifact, demo_dirs, cap
     assert [d["factor"] for d in got["differences"]] == ["compile.passes.act_quant", "dtype", "passes.act_quant"]
     status, out = kiln_cache_cmd(capsys, "explain", "--cache-dir", cache, llama_artifact.name)
     assert status == 1 and "two keys" in out
+    # an int8 LM head is a factor: its kernel ships in the artifact, so `kiln compile --lm-head-quantization`
+    # builds the artifact the LLM asking for that head looks up
+    got = as_json(capsys, "explain", "--model", model, "--cache-dir", cache, "--lm-head-quantization", "int8")
+    assert [d["factor"] for d in got["differences"]] == ["lm_head_quantization"]
+    with pytest.raises(artifact.ArtifactMissing, match=got["key"]):
+        LLM(model, cache_dir=cache, require_artifact=True, lm_head_quantization="int8")
 
 
 HOLD = """
