@@ -46,6 +46,9 @@ LAYER_TENSORS = {
 
 MODEL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
+VIEW_DIGESTS = "view.json"
+"""A model view's file of its files' checksums (`kiln.checksum`), checked before the view is used again."""
+
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 """GGUF tensor types read as they are stored; every other type kiln reads is dequantized to fp32."""
 
@@ -77,6 +80,7 @@ class _Header:
 
     def __init__(self, path: Path):
         self.path = path
+        self.size = path.stat().st_size
         with open(path, "rb") as f:
             self._buf, self._pos = f.read(1 << 20), 0
             self._file = f
@@ -101,9 +105,10 @@ class _Header:
                 raise KilnError(f"{path} is not a readable GGUF file ({e})") from None
         align = int(self.fields.get("general.alignment", 32))
         self.data_start = -(-self._pos // align) * align
-        self.size = path.stat().st_size
 
     def _take(self, n: int) -> bytes:
+        if self._pos + n > self.size:  # a length no file this size holds: refused before any allocation
+            raise EOFError(f"the header asks for {n} bytes at {self._pos}, past the end of the file")
         while self._pos + n > len(self._buf):  # the header is longer than what was read: read on
             more = self._file.read(max(n, len(self._buf)))
             if not more:
@@ -298,27 +303,43 @@ def _view_key(path: Path, header: _Header) -> str:
 
 def model_view(path: str | Path, cache_dir: Path) -> Path:
     """A model directory for GGUF file `path`: config.json, the tokenizer files and a link to the file,
-    written once into `cache_dir`/gguf (atomically) and found again by the file's path and header."""
+    written once into `cache_dir`/gguf (atomically) and found again by the file's path and header; its files'
+    checksums are checked each time, and a damaged view is written again."""
     path = Path(path).resolve()
     header = _Header(path)
     arch = _architecture(header)
     view = Path(cache_dir) / "gguf" / _view_key(path, header)
-    if all((view / f).exists() for f in ("config.json", "tokenizer.json", path.name)):
+    if _intact(view) and (view / path.name).exists():
         return view
+    if view.exists():
+        logger.warning("GGUF %s: its model view in %s is damaged; writing it again", path.name, view)
+        shutil.rmtree(view, ignore_errors=True)
     view.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".view-", dir=view.parent))
     try:
         _write_view(path, arch, tmp)
+        digests = {f.name: checksum.digest(f.read_bytes()).hex() for f in sorted(tmp.iterdir())}
+        (tmp / VIEW_DIGESTS).write_text(json.dumps(digests))
         os.symlink(path, tmp / path.name)
         try:
             tmp.rename(view)
         except OSError:  # another process wrote it first: theirs is the same
-            if not (view / "config.json").exists():
+            if not _intact(view):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("GGUF %s: model view in %s", path.name, view)
     return view
+
+
+def _intact(view: Path) -> bool:
+    """Whether every file of a model view (config, tokenizer) still has the checksum it was written with."""
+    try:
+        digests = json.loads((view / VIEW_DIGESTS).read_text())
+        return "config.json" in digests and "tokenizer.json" in digests and all(
+            checksum.digest((view / name).read_bytes()).hex() == digest for name, digest in digests.items())
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _write_view(path: Path, arch: str, out: Path) -> None:

@@ -17,7 +17,7 @@ import torch
 from kiln import checksum
 from kiln.errors import KilnError
 from kiln.kernels import quantize_weight
-from kiln.kernels.quant import quantize_weight_int4
+from kiln.kernels.quant import INT4_GROUP, quantize_weight_int4
 from kiln.models.llama import CausalLM
 from kiln.models.quantization import SCHEMES, int4_group
 from kiln.models.tensor_parallel import Shard
@@ -148,7 +148,8 @@ def _load_tensor(f: SafetensorsFile | GgufFile, name: str, model: CausalLM, para
     scheme = getattr(model, "quantize_on_load", None)
     if scheme is not None and scale is not None and f.dtype(name) != param.dtype:
         low = params.get(pname.removesuffix(".weight") + ".weight_min")
-        if scheme == "int4" and shard is None and isinstance(f, GgufFile) and scale.shape[1] * 32 == f.shape(name)[1]:
+        if scheme == "int4" and shard is None and isinstance(f, GgufFile) \
+                and scale.shape[1] * INT4_GROUP == f.shape(name)[1]:
             exact = f.int4_codes(name)  # a Q4_0 or Q4_1 tensor's codes are kiln's int4, as stored
             if exact is not None:
                 for dest, value in zip((param, scale, low), exact):

@@ -4,6 +4,7 @@ chat template of its metadata; transformers on those tensors is the oracle."""
 
 import json
 import logging
+import struct
 
 import numpy as np
 import pytest
@@ -93,6 +94,11 @@ def test_the_tokenizer_and_chat_template_come_from_the_metadata(gguf_model, toke
     assert llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}]) == "<|user|>Hi\n<|assistant|>"
     again = LLM(path, cache_dir=tmp_path)  # the view is found again, not written twice
     assert again.model_dir == llm.model_dir and len(list((tmp_path / "gguf").iterdir())) == 1
+    written = (llm.model_dir / "tokenizer.json").read_bytes()
+    (llm.model_dir / "tokenizer.json").write_bytes(written.replace(b'"merges"', b'"mergez"'))  # damaged in the cache
+    healed = LLM(path, cache_dir=tmp_path)  # its checksum fails: the view is written again, not read
+    assert (healed.model_dir / "tokenizer.json").read_bytes() == written
+    assert healed.tokenizer.encode(PROMPTS[0]) == tokenizer.encode(PROMPTS[0]).ids
 
 
 def _metadata_only(path, arch: str, tensors: dict) -> None:
@@ -117,6 +123,10 @@ def test_files_kiln_cannot_run_are_refused_by_name(tmp_path):
 
     with pytest.raises(KilnError, match="tensor 'token_embd.weight' in ints.gguf is I32, a type kiln does not read"):
         GgufFile(ints)
+    huge = tmp_path / "huge.gguf"  # a header string that claims 2^62 bytes: refused, nothing allocated
+    huge.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1 << 62) + b"x" * 64)
+    with pytest.raises(KilnError, match="huge.gguf is not a readable GGUF file .*past the end of the file"):
+        LLM(huge, cache_dir=tmp_path)
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(KilnError, match="junk.gguf is not a readable GGUF file"):
