@@ -80,6 +80,7 @@ def _cmd_compile(args: argparse.Namespace) -> None:
 
     from kiln.compiler.compile import build_artifact
     from kiln.threads import describe, use_threads
+    from kiln.weights.model_weights import ModelWeights
 
     start = time.perf_counter()
     model = _shaped_model(args)
@@ -94,6 +95,7 @@ def _cmd_compile(args: argparse.Namespace) -> None:
         force=args.force,
         passes=_custom_passes(args),
         model_name=Path(args.model_dir).resolve().name,
+        weight_types=ModelWeights(ModelWeights.directory(args.model_dir, _cache_dir(args))).stored_types(),
     )
     if result.reused:
         print(f"artifact already present and valid (checked in {time.perf_counter() - start:.2f}s)")

@@ -231,7 +231,7 @@ class LLM:
         from kiln.compiler.compile import build_artifact  # the tracing path, only when needed
 
         result = build_artifact(self.model, compile_config, cache_dir, passes=passes,
-                                model_name=self.model_name)
+                                model_name=self.model_name, weight_types=self.weights.stored_types())
         return bind.load(result.path, self.model, release_weights=True, packs=self._packs)
 
     def generate(

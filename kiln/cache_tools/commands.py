@@ -102,6 +102,8 @@ def info(cache_dir: Path, key: str, as_json: bool) -> int:
         ["model", f"{_model(entry)}, hidden {model['hidden_size']}, {model['num_heads']} heads "
                   f"({model['num_kv_heads']} kv), vocab {model['vocab_size']}"],
         ["dtype", f"{f['dtype']}, quantization {f['quantization'] or 'none'}"],
+        *([["GGUF types", ", ".join(f"{n} {kind}" for kind, n in m["weight_types"].items())
+            + " (the file it was compiled for)"]] if m.get("weight_types") else []),
         ["compile", ", ".join(f"{k} {v}" for k, v in f["compile"].items() if k != "passes")],
         ["built", f"{_when(entry.created)} with kiln {m['kiln']}, torch {f['torch']}, Python {f['python']} on "
                   f"{f['system']['machine']} {_isa(entry)}"],

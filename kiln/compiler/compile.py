@@ -421,10 +421,12 @@ def build_artifact(
     force: bool = False,
     passes: Sequence[GraphPass] = (),
     model_name: str | None = None,
+    weight_types: dict[str, int] | None = None,
 ) -> CompileResult:
     """Compile `model`'s backbone into `cache_dir/<key>` unless a valid artifact is already there.
     `passes` are the user's own, run after kiln's fusions; `model_name` (the model directory's name)
-    is recorded for `kiln cache ls` only: one artifact serves every checkpoint of these shapes.
+    is recorded for `kiln cache ls` only: one artifact serves every checkpoint of these shapes; so are a GGUF
+    file's `weight_types` (tensors by stored type), which `kiln cache info` shows.
 
     A file lock per key makes concurrent compiles of one model wait for the first and reuse its
     artifact; the artifact appears in one `os.replace`, so a crash leaves nothing half-written.
@@ -488,6 +490,7 @@ def build_artifact(
                 "counters": dict(counters - before),
                 "architecture": model.config.architecture,
                 "model_name": model_name,
+                **({"weight_types": weight_types} if weight_types else {}),
                 "passes": [{"name": name, "uuid": uuid} for name, uuid in manager.uuids().items()],
                 "lm_head": lm_head,
             },

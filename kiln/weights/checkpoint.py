@@ -56,9 +56,19 @@ def model_directory(model: str | Path, cache_dir: Path) -> Path:
     return path
 
 
+def stored_types(model_dir: Path) -> dict[str, int] | None:
+    """How many tensors of each type a GGUF checkpoint holds (e.g. {"F32": 61, "Q4_K": 120}); None for
+    safetensors, whose dtypes say it."""
+    files = checkpoint_files(model_dir)
+    if files[0].suffix != ".gguf":
+        return None
+    with GgufFile(files[0]) as f:
+        return dict(sorted(f.types.items()))
+
+
 def stored_quantization(model_dir: Path) -> str | None:
     """The kiln scheme a checkpoint already holds its projections in, as stored: "int4" for a GGUF file whose
-    projections are all Q4_0 or Q4_1 (kiln's int4 codes unchanged, `GgufFile.int4_codes`), else None."""
+    projections are all Q4_0, Q4_1 or Q4_K (kiln's int4 codes, `GgufFile.int4_codes`), else None."""
     files = checkpoint_files(model_dir)
     if files[0].suffix != ".gguf":
         return None

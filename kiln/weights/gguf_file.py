@@ -55,8 +55,8 @@ FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat1
 DEQUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 """The quantized types read (dequantized at load, unless `EXACT_INT4` holds them as stored)."""
 
-EXACT_INT4 = {"Q4_0": 18, "Q4_1": 20}
-"""Types whose codes are kiln's int4 format as they are (`--quantization int4`), and their block's bytes."""
+EXACT_INT4 = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
+"""Types whose codes kiln's int4 format holds as they are (`--quantization int4`), and their block's bytes."""
 
 def hf_name(name: str) -> str | None:
     """The Hugging Face name of GGUF tensor `name` (None: not a tensor of the architectures kiln runs)."""
@@ -241,24 +241,23 @@ class GgufFile:
         return values if rows is None else values[rows[0]:rows[0] + rows[1]].clone()
 
     def int4_codes(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """A Q4_0 or Q4_1 tensor's codes as kiln's int4 format holds them, unchanged: (codes [N, K / 2] uint8 in
-        `pack_nibbles`' order, scales and minimums [N, K / 32] fp16), each weight scale x code + min (Q4_0's
-        d x (q - 8) is a minimum of -8 d, exact in fp16). None for any other type."""
+        """A Q4_0, Q4_1 or Q4_K tensor's codes as kiln's int4 format holds them: (codes [N, K / 2] uint8 in
+        `pack_nibbles`' order, scales and minimums [N, K / 32] fp16), each weight scale x code + min. Q4_0's
+        d x (q - 8) is a minimum of -8 d and Q4_1's d x q + m are exact in fp16; Q4_K's d x sc x q - dmin x m
+        has its two products per 32 weights rounded to fp16 (a relative 2^-11 of a scale). None for any other
+        type."""
         shape, qtype, begin, end = self._tensors[name]
         if qtype.name not in EXACT_INT4:
             return None
         stored = np.asarray(self._map[begin:end])
         self.digests[name] = checksum.digest(memoryview(stored))
         self.exact.add(name)
-        blocks = stored.reshape(-1, EXACT_INT4[qtype.name])
-        scales = blocks[:, 0:2].copy().view(np.float16)[:, 0]
-        mins = blocks[:, 2:4].copy().view(np.float16)[:, 0] if qtype.name == "Q4_1" else scales * np.float16(-8)
-        qs = blocks[:, -16:]
-        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # a block's 16 bytes: values 0-15 low, 16-31 high
+        codes, scales, mins = _INT4_BLOCKS[qtype.name](stored.reshape(-1, EXACT_INT4[qtype.name]))
         n, groups = shape[0], shape[1] // 32
-        packed = codes.reshape(n, -1)[:, 0::2] | (codes.reshape(n, -1)[:, 1::2] << 4)
-        out = [torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(scales.reshape(n, groups).copy()),
-               torch.from_numpy(np.ascontiguousarray(mins.reshape(n, groups)))]
+        codes = codes.reshape(n, -1)
+        packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        out = [torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(np.ascontiguousarray(
+            scales.reshape(n, groups))), torch.from_numpy(np.ascontiguousarray(mins.reshape(n, groups)))]
         if self.architecture in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = self._heads[0] if ".q_proj." in name else self._heads[1]
             out = [_unpermute(t, heads) for t in out]
@@ -273,7 +272,8 @@ class GgufFile:
         parts = []
         for kind, count in sorted(self.types.items()):
             exact = sum(1 for n in self.exact if self.stored_type(n) == kind)
-            how = [f"{exact} as kiln int4 codes unchanged"] if exact else []
+            held = "kiln int4 codes, scales rounded to fp16" if kind == "Q4_K" else "kiln int4 codes unchanged"
+            how = [f"{exact} as {held}"] if exact else []
             if kind not in FLOAT_TYPES and count > exact:
                 how.append(f"{count - exact} dequantized at load")
             parts.append(f"{count} {kind}" + (f" ({', '.join(how)})" if how else ""))
@@ -294,6 +294,30 @@ def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     interleaved), for `heads` heads."""
     shape = w.shape
     return w.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+
+
+def _q4_0_q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_0/Q4_1 blocks of 32 as (codes 0..15 [blocks, 32] in weight order, scales, minimums [blocks] fp16)."""
+    scales = blocks[:, 0:2].copy().view(np.float16)[:, 0]
+    mins = blocks[:, 2:4].copy().view(np.float16)[:, 0] if blocks.shape[1] == 20 else scales * np.float16(-8)
+    qs = blocks[:, -16:]
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1), scales, mins  # 16 bytes: values 0-15 low, 16-31 high
+
+
+def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks of 256 as (codes 0..15 [blocks, 256] in weight order, scales and minimums [blocks, 8]
+    fp16): 8 groups of 32, each d x sc its scale and -dmin x m its minimum (6-bit sc and m, fp16 d and dmin)."""
+    from gguf import quants
+
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = quants.Q4_K.get_scale_min(blocks[:, 4:16])
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32)  # 4 x 32 bytes: group 2j in the low nibbles, 2j + 1 in the high
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 256)
+    return codes, (d * sc).astype(np.float16), (-(dmin * m)).astype(np.float16)
+
+
+_INT4_BLOCKS = {"Q4_0": _q4_0_q4_1, "Q4_1": _q4_0_q4_1, "Q4_K": _q4_k}
 
 
 def _view_key(path: Path, header: _Header) -> str:

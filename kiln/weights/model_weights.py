@@ -41,8 +41,13 @@ class ModelWeights:
 
     def stored_quantization(self) -> str | None:
         """The scheme the checkpoint holds its projections in as stored, which runs them unchanged: "int4" for a
-        GGUF file of Q4_0 and Q4_1 projections; None for any other checkpoint."""
+        GGUF file of Q4_0, Q4_1 and Q4_K projections; None for any other checkpoint."""
         return checkpoint.stored_quantization(self.model_dir)
+
+    def stored_types(self) -> dict[str, int] | None:
+        """A GGUF checkpoint's tensor count by stored type (None for safetensors): what an artifact records of
+        the file it was compiled for."""
+        return checkpoint.stored_types(self.model_dir)
 
     def bytes_in(self, dtype: torch.dtype, quantize: str | None = None) -> int:
         """The memory the checkpoint's tensors take once loaded to run in `dtype`, its projections

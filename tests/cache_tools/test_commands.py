@@ -95,6 +95,14 @@ def test_ls_and_info(cache, llama_artifact, demo_dirs, capsys):
     assert status == 1 and "no artifact 'ffff'" in out and "Traceback" not in out
 
 
+def test_info_shows_the_gguf_types_an_artifact_was_compiled_for(llama_artifact, tmp_path, capsys):
+    kept = Path(shutil.copytree(llama_artifact, tmp_path / llama_artifact.name))
+    manifest = json.loads((kept / artifact.MANIFEST).read_text())
+    artifact.write_manifest(kept, {**manifest, "weight_types": {"F32": 9, "Q4_K": 12, "Q6_K": 2}})
+    status, out = kiln_cache_cmd(capsys, "info", kept.name, "--cache-dir", tmp_path)
+    assert status == 0 and "GGUF types  9 F32, 12 Q4_K, 2 Q6_K (the file it was compiled for)" in out
+
+
 def _flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF

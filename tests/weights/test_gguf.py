@@ -15,6 +15,7 @@ from kiln.cli import main
 from kiln.compiler.artifact import ArtifactMissing
 from kiln.errors import KilnError
 from kiln.models.demo import EOS_TOKEN, corpus, train_tokenizer
+from kiln.weights.model_weights import ModelWeights
 from tests.gguf_writer import CHAT_TEMPLATE, write_gguf
 from tests.oracle import PROMPTS, hf_greedy
 
@@ -137,13 +138,14 @@ def test_files_kiln_cannot_run_are_refused_by_name(tmp_path):
         LLM(text, cache_dir=tmp_path)
 
 
-Q4 = {"q_proj": "Q4_0", "k_proj": "Q4_1", "v_proj": "Q4_0", "o_proj": "Q4_1", "gate_proj": "Q4_0", "up_proj": "Q4_1",
+Q4 = {"q_proj": "Q4_0", "k_proj": "Q4_1", "v_proj": "Q4_0", "o_proj": "Q4_1", "gate_proj": "Q4_0", "up_proj": "Q4_K",
       "down_proj": "Q4_0"}
 
 
-def test_q4_0_and_q4_1_codes_are_kiln_int4_as_stored(tokenizer, tmp_path, caplog, capsys):
+def test_q4_0_q4_1_and_q4_k_codes_are_kiln_int4_as_stored(tokenizer, tmp_path, caplog, capsys):
     """A Q4_0 or Q4_1 projection's codes, scales and minimums are kiln's int4 format unchanged (a llama's, permuted
-    in the file, back in order): a file of them runs as int4 unless told otherwise, its weights exactly the file's."""
+    in the file, back in order), a Q4_K one's with its scale and minimum products rounded to fp16: a file of them
+    runs as int4 unless told otherwise, its weights the file's."""
     from transformers import AutoModelForCausalLM
 
     from kiln.kernels.quant import dequantize_int4
@@ -158,7 +160,9 @@ def test_q4_0_and_q4_1_codes_are_kiln_int4_as_stored(tokenizer, tmp_path, caplog
         llm = LLM(path, cache_dir=tmp_path)  # a file of Q4_0 and Q4_1 projections runs them as int4 by default
     assert llm.quantization == "int4" and "q4.gguf holds its projections as kiln's int4 codes" in caplog.text
     assert "8 Q4_0 (8 as kiln int4 codes unchanged)" in caplog.text
-    assert "6 Q4_1 (6 as kiln int4 codes unchanged)" in caplog.text
+    assert "4 Q4_1 (4 as kiln int4 codes unchanged)" in caplog.text
+    assert "2 Q4_K (2 as kiln int4 codes, scales rounded to fp16)" in caplog.text
+    assert ModelWeights(llm.model_dir).stored_types() == {"F16": 1, "F32": 5, "Q4_0": 8, "Q4_1": 4, "Q4_K": 2, "Q8_0": 1}
     params = dict(llm.model.named_parameters())
     checked = 0
     for pname, param in params.items():
@@ -166,8 +170,13 @@ def test_q4_0_and_q4_1_codes_are_kiln_int4_as_stored(tokenizer, tmp_path, caplog
             continue
         base = pname.removesuffix(".weight")
         weights = dequantize_int4(param, params[base + ".weight_scale"], params[base + ".weight_min"])
-        want = torch.cat([held[name] for name, _, _ in _sources(llm.model, pname, param)])
-        assert torch.equal(weights, want), pname
+        sources = [name for name, _, _ in _sources(llm.model, pname, param)]
+        want = torch.cat([held[name] for name in sources])
+        if any("up_proj" in name for name in sources):  # Q4_K's d x sc and dmin x m, each rounded to fp16
+            assert not torch.equal(weights, want)
+            torch.testing.assert_close(weights, want, rtol=0, atol=16 * 2e-4 * 63 * 2**-11)
+        else:
+            assert torch.equal(weights, want), pname
         checked += 1
     assert checked == 2 * 4  # qkv, o, gate_up, down in each of 2 layers
     full = LLM(path, cache_dir=tmp_path, quantization="none")  # dequantized at load, as asked
