@@ -63,6 +63,11 @@ Q4_K_M_INCREASE = 0.055
 20.155, `benchmarks/quality.py`): what kiln's 4-bit may lose at most."""
 
 
+GATE_WINDOWS = 16
+"""Windows the gates score: the first 16 of the text's 33 (the suite's time; kiln's int8 and int4 lose about what they
+lose on all 33: +0.51% and +0.92% here, +0.37% and +0.9% there)."""
+
+
 @pytest.fixture(scope="module")
 def real_model() -> Path:
     model = smollm2.model_dir()
@@ -77,7 +82,7 @@ def reference(real_model):
     from kiln.runtime.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(real_model)
-    chunks = quality.windows(tokenizer.encode(quality.TEXT.read_text()), 256)
+    chunks = quality.windows(tokenizer.encode(quality.TEXT.read_text()), 256, limit=GATE_WINDOWS)
     prompts = [tokenizer.encode(p) for p in quality.PROMPTS]
     return tokenizer, chunks, prompts, quality.hf_run(real_model, chunks, prompts, 256)
 
@@ -113,19 +118,19 @@ def test_the_real_gguf_file_is_the_model_transformers_dequantized(real_model, re
 
 
 def test_int4_loses_no_more_than_llama_cpps_q4_k_m(real_model, reference):
-    """kiln's int4 with its int8 LM head (as `peers.py` runs it), eager: its perplexity over the whole text
-    within Q4_K_M's increase over full precision (it measured +0.9% where the symmetric recipe lost 56%)."""
+    """kiln's int4 with its int8 LM head (as `peers.py` runs it), eager: its perplexity within Q4_K_M's increase
+    over full precision (it measured +0.9% on the whole text, where the symmetric recipe lost 56%)."""
     from kiln import LLM
 
     _, chunks, _, hf = reference
     llm = LLM(real_model, quantization="int4", lm_head_quantization="int8")
     fp32, int4 = quality.perplexity(hf["logprobs"]), _perplexity(llm, chunks)
-    assert len(chunks) == 33 and fp32 < int4 <= fp32 * (1 + Q4_K_M_INCREASE), (fp32, int4)
+    assert len(chunks) == GATE_WINDOWS and fp32 < int4 <= fp32 * (1 + Q4_K_M_INCREASE), (fp32, int4)
 
 
 def test_int8_loses_no_more_than_one_percent(real_model, reference):
     """kiln's int8 (W8A8, activations per token and block of 32, as llama.cpp's Q8_0 dot products), eager, on
-    the fp32 LM head: its perplexity over the whole text within +1.0% of full precision (activations per token,
+    the fp32 LM head: its perplexity within +1.0% of full precision (activations per token,
     with the int8 head, lost +2.6%; llama.cpp's Q8_0 loses +0.6%)."""
     from kiln import LLM
 

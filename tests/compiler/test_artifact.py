@@ -163,12 +163,12 @@ def test_missing_artifact_with_require_artifact_fails(tmp_path, demo_dirs, compi
 def test_concurrent_compiles_leave_one_artifact(tmp_path, demo_dirs):
     cache = tmp_path / "cache"
     cmd = [sys.executable, "-m", "kiln", "compile", str(demo_dirs["qwen2"]), "--cache-dir", str(cache), "-q"]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     results = [(p.wait(timeout=600), p.stdout.read(), p.stderr.read()) for p in procs]
     assert all(rc == 0 for rc, _, _ in results), "\n".join(err[-4000:] for rc, _, err in results if rc)  # whole
     paths = {out.strip().splitlines()[-1] for _, out, _ in results}
     assert len(paths) == 1
-    assert sum("already present" in out for _, out, _ in results) == 3  # one compiled, three waited and reused
+    assert sum("already present" in out for _, out, _ in results) == 1  # one compiled, the other waited and reused
     assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == [Path(paths.pop()).name]
 
 

@@ -264,10 +264,11 @@ def _greedy_with_penalties(hf, prompt: list[int], n: int, bias: dict[int, float]
     """The reference: transformers' logits, the formulas applied here, argmax."""
     import torch
 
-    ids, out = list(prompt), []
+    ids, out, past, step = list(prompt), [], None, list(prompt)
     with torch.no_grad():
         for _ in range(n):
-            logits = hf(torch.tensor([ids])).logits[0, -1].float()
+            run = hf(torch.tensor([step]), past_key_values=past, use_cache=True)
+            logits, past = run.logits[0, -1].float(), run.past_key_values
             for t, v in bias.items():
                 logits[t] += v
             for t in set(ids):
@@ -277,6 +278,7 @@ def _greedy_with_penalties(hf, prompt: list[int], n: int, bias: dict[int, float]
             token = int(logits.argmax())
             ids.append(token)
             out.append(token)
+            step = [token]
     return out
 
 
