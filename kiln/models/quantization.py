@@ -47,9 +47,10 @@ def stored_or(asked: str | None, weights) -> str | None:
     if asked == NO_QUANTIZATION:
         return None
     if asked is None and (stored := weights.stored_quantization()):
-        logger.info("%s holds its projections as kiln's %s codes: they run as stored (--quantization none for full "
-                    "precision)", weights.name, stored)
-        return stored
+        scheme, how = stored
+        logger.info("%s holds its projections quantized: they run as kiln's %s, %s (--quantization to choose, none "
+                    "for full precision)", weights.name, scheme, how)
+        return scheme
     return asked
 
 

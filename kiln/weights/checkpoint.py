@@ -2,6 +2,7 @@
 with an index) or one GGUF file (a GGUF model's view directory links it, `kiln.weights.gguf_file`)."""
 
 import json
+from collections import Counter
 from pathlib import Path
 
 from kiln.errors import KilnError
@@ -66,14 +67,27 @@ def stored_types(model_dir: Path) -> dict[str, int] | None:
         return dict(sorted(f.types.items()))
 
 
-def stored_quantization(model_dir: Path) -> str | None:
-    """The kiln scheme a checkpoint already holds its projections in, as stored: "int4" for a GGUF file whose
-    projections are all Q4_0, Q4_1 or Q4_K (kiln's int4 codes, `GgufFile.int4_codes`), else None."""
+def stored_quantization(model_dir: Path) -> tuple[str, str] | None:
+    """The kiln scheme a GGUF checkpoint's projections run in unless asked otherwise, and how they reach it: int4
+    as stored where every projection is Q4_0, Q4_1 or Q4_K (`GgufFile.int4_codes`); int8 where at least half
+    their weights are Q8_0 (requantized per channel); int4 for another mix of quantized types (the K-quant
+    mixes' Q5_0, Q6_K and Q8_0 tensors requantized in groups of 32). None where any projection is stored in
+    floating point, and for safetensors."""
     files = checkpoint_files(model_dir)
     if files[0].suffix != ".gguf":
         return None
-    from kiln.weights.gguf_file import EXACT_INT4
+    from kiln.weights.gguf_file import EXACT_INT4, FLOAT_TYPES
 
+    weights: Counter = Counter()
     with GgufFile(files[0]) as f:
-        kinds = {f.stored_type(n) for n in f.keys() if n.endswith(PROJECTION_WEIGHTS)}
-    return "int4" if kinds and kinds <= set(EXACT_INT4) else None
+        for name in f.keys():
+            if name.endswith(PROJECTION_WEIGHTS):
+                weights[f.stored_type(name)] += f.numel(name)
+    kinds = ", ".join(sorted(weights))
+    if not weights or set(weights) & set(FLOAT_TYPES):
+        return None
+    if set(weights) <= set(EXACT_INT4):
+        return "int4", f"kiln's int4 codes as stored ({kinds})"
+    if 2 * weights["Q8_0"] >= sum(weights.values()):
+        return "int8", f"{kinds}, requantized to int8 per channel"
+    return "int4", f"{kinds}, requantized to int4 in groups of 32 where not Q4_0, Q4_1 or Q4_K"

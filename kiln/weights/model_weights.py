@@ -39,9 +39,9 @@ class ModelWeights:
         files = checkpoint.checkpoint_files(self.model_dir)
         return files[0].name if files[0].suffix == ".gguf" else self.model_dir.name
 
-    def stored_quantization(self) -> str | None:
-        """The scheme the checkpoint holds its projections in as stored, which runs them unchanged: "int4" for a
-        GGUF file of Q4_0, Q4_1 and Q4_K projections; None for any other checkpoint."""
+    def stored_quantization(self) -> tuple[str, str] | None:
+        """The scheme a GGUF checkpoint's quantized projections run in unless asked otherwise, and how they reach
+        it (`kiln.weights.checkpoint.stored_quantization`); None for any other checkpoint."""
         return checkpoint.stored_quantization(self.model_dir)
 
     def stored_types(self) -> dict[str, int] | None:

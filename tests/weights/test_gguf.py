@@ -71,7 +71,7 @@ def gguf_model(request, tokenizer, tmp_path_factory):
 def test_a_gguf_file_runs_as_its_dequantized_tensors(gguf_model, tmp_path, caplog):
     arch, path, reference = gguf_model
     with caplog.at_level(logging.INFO, logger="kiln"):
-        llm = LLM(path, cache_dir=tmp_path)
+        llm = LLM(path, cache_dir=tmp_path, quantization="none")
     config = llm.model_config
     assert (config.num_layers, config.num_heads, config.num_kv_heads, config.tie_word_embeddings) == \
         (2, 8, 2, arch != "llama")
@@ -158,7 +158,8 @@ def test_q4_0_q4_1_and_q4_k_codes_are_kiln_int4_as_stored(tokenizer, tmp_path, c
                       lambda name: next((t for p, t in Q4.items() if f"{p}.weight" in name), type_of(name)))
     with caplog.at_level(logging.INFO, logger="kiln"):
         llm = LLM(path, cache_dir=tmp_path)  # a file of Q4_0 and Q4_1 projections runs them as int4 by default
-    assert llm.quantization == "int4" and "q4.gguf holds its projections as kiln's int4 codes" in caplog.text
+    assert llm.quantization == "int4" and "q4.gguf holds its projections quantized: they run as kiln's int4, " \
+        "kiln's int4 codes as stored (Q4_0, Q4_1, Q4_K)" in caplog.text
     assert "8 Q4_0 (8 as kiln int4 codes unchanged)" in caplog.text
     assert "4 Q4_1 (4 as kiln int4 codes unchanged)" in caplog.text
     assert "2 Q4_K (2 as kiln int4 codes, scales rounded to fp16)" in caplog.text
@@ -187,3 +188,25 @@ def test_q4_0_q4_1_and_q4_k_codes_are_kiln_int4_as_stored(tokenizer, tmp_path, c
         key = json.loads(capsys.readouterr().out)["key"]
         with pytest.raises(ArtifactMissing, match=key):
             LLM(path, cache_dir=tmp_path, require_artifact=True, quantization=asked[1] if asked else None)
+
+
+def test_a_quantized_file_runs_in_the_scheme_nearest_its_types(gguf_model, tokenizer, tmp_path):
+    """Unless asked: int8 where most projection weights are Q8_0, int4 for a mix of 4- to 6-bit types (the
+    K-quant mixes), as stored for Q4_0/Q4_1/Q4_K alone (above)."""
+    from transformers import AutoModelForCausalLM
+
+    _, mixed, _ = gguf_model
+    view = ModelWeights.directory(mixed, tmp_path)
+    assert ModelWeights(view).stored_quantization() == (
+        "int4", "Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, requantized to int4 in groups of 32 where not Q4_0, Q4_1 or Q4_K")
+    config = _config("llama", tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS_TOKEN))
+    path = tmp_path / "q8.gguf"
+    write_gguf(AutoModelForCausalLM.from_config(config), tokenizer, path, "llama",
+               lambda name: "Q4_0" if "k_proj" in name else "Q8_0" if "_proj" in name else type_of(name))
+    llm = LLM(path, cache_dir=tmp_path)
+    assert llm.quantization == "int8" and ModelWeights(llm.model_dir).stored_quantization()[1] == \
+        "Q4_0, Q8_0, requantized to int8 per channel"
+    half = tmp_path / "half.gguf"  # a file with a projection in floating point runs in floating point
+    write_gguf(AutoModelForCausalLM.from_config(config), tokenizer, half, "llama",
+               lambda name: "F16" if "down_proj" in name else "Q8_0" if "_proj" in name else type_of(name))
+    assert ModelWeights(ModelWeights.directory(half, tmp_path)).stored_quantization() is None
