@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from kiln.kernels import cpp_source
+from kiln.kernels import quant
 from kiln.kernels.quant import ACT_BLOCK
 
 PANEL = 16
@@ -202,7 +203,7 @@ def panel_int8_linear(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """a [M, K] int8 @ W.T summed in int32, as fp32 (`torch._int_mm`'s numbers; the caller scales
     them), `weight` holding W [N, K] int8 packed by `pack_int8`. This function is the reference (it
     unpacks W); a compiled piece runs the kernel (`INT8_SOURCE`)."""
-    return torch._int_mm(a, unpack_int8(weight).t()).float()
+    return quant.int_products(a, unpack_int8(weight))
 
 
 @panel_int8_linear.register_fake

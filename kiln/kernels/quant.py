@@ -61,6 +61,18 @@ quant_int8 = _define_quant("quant_int8", INT8_MAX, torch.int8)
 quant_fp8 = _define_quant("quant_fp8", FP8_MAX, torch.float8_e4m3fn)
 
 
+def int_products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ b [N, K].T for int8 codes, summed exactly, as fp32 (`torch._int_mm`'s numbers). On a CPU in
+    fp64, whose sums of int8 products are exact for any K: torch 2.13's CPU `_int_mm` is 10-15x slower than its
+    fp64 GEMM at these shapes."""
+    if not a.is_cuda:
+        return (a.double() @ b.double().t()).float()
+    m = a.shape[0]
+    if m <= INT_MM_CUDA_MIN_ROWS:  # zero rows up to the least cuBLAS's int8 GEMM takes
+        a = torch.cat([a, a.new_zeros(INT_MM_CUDA_MIN_ROWS + 1 - m, a.shape[1])])
+    return torch._int_mm(a, b.t())[:m].float()
+
+
 @torch.library.custom_op("kiln::scaled_mm", mutates_args=())
 def scaled_mm(
     a: torch.Tensor,
@@ -74,10 +86,7 @@ def scaled_mm(
     (both int8, or both float8_e4m3fn), accumulated in int32 / fp32."""
     b_row = b_scale.float().reshape(1, -1)
     if a.dtype == torch.int8:
-        m = a.shape[0]
-        if a.is_cuda and m <= INT_MM_CUDA_MIN_ROWS:  # zero rows up to the least cuBLAS's int8 GEMM takes
-            a = torch.cat([a, a.new_zeros(INT_MM_CUDA_MIN_ROWS + 1 - m, a.shape[1])])
-        out = torch._int_mm(a, b.t())[:m].float() * a_scale.float() * b_row
+        out = int_products(a, b) * a_scale.float() * b_row
     elif not a.is_cuda:  # fp32 on the dequantized values: what torch 2.13's CPU _scaled_mm does for row scales
         out = (a.float() @ b.float().t()) * a_scale.float() * b_row  # (2.11's refuses them)
     elif out_dtype in (torch.bfloat16, torch.float16):  # cuBLAS scales rows in its epilogue, 16-bit outputs only
