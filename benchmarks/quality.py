@@ -44,7 +44,7 @@ from peers import KILN_OPTIONS, LM_HEADS  # noqa: E402
 
 TEXT = HERE / "data" / "alice.txt"
 LLAMA_CPP = tuple(llama_cpp.QUANTS)
-KILN = ("kiln-eager", "kiln-fp32", "kiln-int8", "kiln-w7a8", "kiln-int4", "kiln-gguf")
+KILN = ("kiln-eager", "kiln-fp32", "kiln-int8", "kiln-w7a8", "kiln-int4", "kiln-q8_0", "kiln-gguf")
 SYSTEMS = ("hf", *KILN, *LLAMA_CPP, "llama.cpp-gguf")
 DEFAULT_SYSTEMS = ("hf", "kiln-fp32", "kiln-int8", "kiln-int4", *LLAMA_CPP)
 PROMPTS = ("The capital of France is", "Water boils at a temperature of", "The three primary colors are",

@@ -233,11 +233,12 @@ def _add_compile_options(parser: argparse.ArgumentParser, cache_dir: bool = True
                         "the compiled pieces serve (default 2048)")
     parser.add_argument("--quantization", choices=(*QUANTIZATIONS, NO_QUANTIZATION), help="W8A8: weights per "
                         "channel, activations per token, or for int8 on a CPU per token and block of 32, as llama.cpp's "
-                        "Q8_0 (default: none; a GGUF file of Q4_0 and Q4_1 projections runs them as int4, exactly as "
-                        "stored, unless given none). w7a8 is int8 with 7-bit weight codes and per-token activations (fbgemm "
-                        "runs it unsplit on x86 CPUs without VNNI). "
+                        "Q8_0's activations (default: none; a quantized GGUF file runs in the scheme nearest its types, "
+                        "its Q4_0/Q4_1/Q4_K or Q8_0/Q5_0 codes as stored, unless given none). w7a8 is int8 with 7-bit "
+                        "weight codes and per-token activations (fbgemm runs it unsplit on x86 CPUs without VNNI). "
                         "int4 is W4A8: 4-bit weights with a scale and a minimum per 32, int8 activations with a "
-                        "scale per 32 (CPU only; AVX2 or AVX-512 runs it on kiln's own kernel)")
+                        "scale per 32; q8_0 is llama.cpp's Q8_0: int8 weights with a scale per 32, activations per 32 "
+                        "(both CPU only; AVX2 or AVX-512 runs them on kiln's own kernels)")
     parser.add_argument("--lm-head-quantization", choices=LM_HEAD_QUANTIZATIONS, help="run the LM head on int8 "
                         "weights (per channel) and activations (per 32 where the artifact ships kiln's blocked int8 "
                         "GEMM, else per token): a quarter of fp32's bytes, for large "

@@ -12,10 +12,11 @@ if TYPE_CHECKING:  # torch is imported on use: the CLI parser reads these defaul
 
 DTYPES = ("float32", "bfloat16", "float16")
 """Activation dtypes, as manifests, keys and the CLI spell them."""
-QUANTIZATIONS = ("int8", "w7a8", "fp8", "int4")
+QUANTIZATIONS = ("int8", "w7a8", "fp8", "int4", "q8_0")
 """`--quantization` schemes (`kiln.models.quantization.SCHEMES`): W8A8 int8 or fp8, int8 with 7-bit
-weight codes, which x86 CPUs without VNNI multiply about twice as fast as exact W8A8, and W4A8 int4
-(4-bit weights with a scale and a minimum per 32, activations with a scale per 32; CPU only)."""
+weight codes, which x86 CPUs without VNNI multiply about twice as fast as exact W8A8, W4A8 int4
+(4-bit weights with a scale and a minimum per 32, activations with a scale per 32; CPU only), and q8_0
+(int8 weights with an fp16 scale per 32, llama.cpp's Q8_0, activations with a scale per 32; CPU only)."""
 NO_QUANTIZATION = "none"
 """`--quantization none`: full precision, also for a checkpoint whose stored codes would otherwise run as they
 are (a GGUF file of Q4_0 and Q4_1 projections runs as int4 unless told this)."""

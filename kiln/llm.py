@@ -39,8 +39,10 @@ class LLM:
     `require_artifact=True` runs it too, and makes a missing or broken artifact an error instead.
     `quantization="int8"` or `"fp8"` quantizes the decoder's projections (W8A8, per-channel weights,
     per-token activations, int8's per token and block of 32 on a CPU) after loading, unless the checkpoint
-    is quantized already; `"w7a8"` is int8 with weight codes in [-63, 63] and per-token activations. A GGUF
-    file of Q4_0 and Q4_1 projections runs them as `"int4"`, exactly as stored, unless given `"none"`.
+    is quantized already; `"w7a8"` is int8 with weight codes in [-63, 63] and per-token activations; `"int4"`
+    and `"q8_0"` (CPU only) hold 4-bit codes with a scale and a minimum per 32 weights, or int8 codes with a scale
+    per 32 (llama.cpp's Q8_0). A quantized GGUF file runs in the scheme nearest its types (its Q4_0, Q4_1, Q4_K,
+    Q8_0 and Q5_0 codes as stored) unless given `"none"`.
     `passes` adds the user's own graph passes (`kiln.passes.GraphPass`) to the compile; they are part
     of the artifact key.
     `dtype="auto"` runs in the checkpoint's dtype (config.json's `torch_dtype`); "float32",

@@ -7,6 +7,7 @@ Each module's C++ is read from kiln/kernels/csrc (`kiln.kernels.cpp_source`).
 """
 
 import functools
+import hashlib
 import inspect
 import logging
 
@@ -44,7 +45,7 @@ def register() -> bool:
             headers = getattr(wrapper, "_included_extra_headers", None)
             if headers is None:
                 raise RuntimeError(f"kiln::{self.op} lowers for AOTInductor's C++ wrapper only")
-            marker = f"kiln::{self.op}"  # among the wrapper's headers: its source is spliced in once
+            marker = f"kiln::{hashlib.sha256(self.source.encode()).hexdigest()[:16]}"  # each source spliced once
             if marker not in headers:
                 headers.add(marker)
                 wrapper.header.splice(self.source)
@@ -78,6 +79,13 @@ def register() -> bool:
         layout = ir.FixedLayout(a.get_device(), torch.float32, [a.get_size()[0], weight.get_size()[0]])
         return ir.TensorBox.create(CppKernel(kernel.op, kernel.source + kernel.wrapper_source, kernel.shim, layout,
                                              realized((a, a_scale, weight))))
+
+    @register_lowering(torch.ops.kiln.panel_int8_group_linear.default, type_promotion_kind=None)
+    def lower_int8_group(a, a_scale, weight, scales):
+        kernel = panel_linear.INT8_GROUP  # its source is the blocked kernel's: one splice serves both
+        layout = ir.FixedLayout(a.get_device(), torch.float32, [a.get_size()[0], weight.get_size()[0]])
+        return ir.TensorBox.create(CppKernel(kernel.op, kernel.source + kernel.wrapper_source, kernel.shim, layout,
+                                             realized((a, a_scale, weight, scales))))
 
     def kernel_lowering(module, layout_of):
         """`module`'s op (a kernel module: SOURCE, WRAPPER_SOURCE, SHIM) lowered to its C++ kernel;

@@ -18,10 +18,11 @@ from kiln.kernels import cpp_lowering, packed_linear, panel_linear, quant
 
 aten, ops = torch.ops.aten, torch.ops.kiln
 
-KINDS = ("float", "int8", "w7a8", "fp8", "int4", "int8_blocked")
+KINDS = ("float", "int8", "w7a8", "fp8", "int4", "int8_blocked", "int8_grouped")
 """Projection kinds: "float" (mm/addmm), "int8" (W8A8 `scaled_mm`, activations per token or tensor), "w7a8"
-(int8 with 7-bit weight codes), "fp8" (fp8 `scaled_mm`), "int4" (W4A8 `int4_block_mm`) and "int8_blocked"
-(W8A8 `int8_block_mm`, activations per block of 32)."""
+(int8 with 7-bit weight codes), "fp8" (fp8 `scaled_mm`), "int4" (W4A8 `int4_block_mm`), "int8_blocked"
+(W8A8 `int8_block_mm`, activations per block of 32) and "int8_grouped" (the same with a weight scale per
+output channel and block of 32: llama.cpp's Q8_0)."""
 INT8_KINDS = ("int8", "w7a8")
 
 
@@ -34,7 +35,7 @@ class Projection:
     dtype: torch.dtype
     bias: bool = False
     out_dtype: torch.dtype | None = None  # scaled_mm's
-    groups: int = 0  # int4: the weight's groups per row (a scale and a minimum each)
+    groups: int = 0  # int4: the weight's groups per row (a scale and a minimum each); int8_grouped: its scales
 
     @property
     def code_max(self) -> int:
@@ -62,7 +63,8 @@ class GemmCandidate:
     `bias` is then None); for int4 the whole fp32 product, the activation's block scales and the
     weight's group scales and minimums applied, which it gets as (a_scale, scales, mins) in `bias`'s
     place (the pass adds the bias); for blocked int8 the product with the activation's block scales
-    applied, which it gets as a_scale in `bias`'s place (the pass adds the weight's scales and the bias).
+    applied, which it gets as a_scale in `bias`'s place (the pass adds the weight's scales and the bias); for
+    grouped int8 the whole product, which it gets (a_scale, scales) for (the pass adds the bias).
     A runner of an int4 kernel likewise gets (scales, mins) [N, groups] as its weight scale. `pack` makes the weight format from the weight as loaded (None: the weight as
     loaded), into `out` where `plain` (a plain tensor of the weight's shape and dtype)."""
 
@@ -111,7 +113,7 @@ def _panels_check(projection: Projection) -> str | None:
     if not cpp_lowering.register():
         return "this torch's Inductor cannot compile the panel GEMMs into a piece"
     return panel_linear.available(projection.shape, projection.dtype, projection.groups,
-                                  blocked=projection.kind == "int8_blocked")
+                                  blocked=projection.kind in ("int8_blocked", "int8_grouped"))
 
 
 # -- timing runners: the GEMMs alone (the graph fuses int8's shift and epilogue into other loops) --
@@ -126,6 +128,8 @@ def _aten_runner(p: Projection, weight: NextWeight, bias, scale) -> Callable:
     if p.kind == "int8_blocked":  # without the weight's scales, as the kernels (the graph applies them after)
         unit = torch.ones(p.shape[0])
         return lambda a, s: quant.int8_block_mm(a, s, weight(), unit, torch.float32)
+    if p.kind == "int8_grouped":
+        return lambda a, s: quant.int8_block_mm(a, s, weight(), scale, torch.float32)
     return lambda a, s: ops.scaled_mm(a, weight(), s, scale, p.out_dtype, bias)
 
 
@@ -174,6 +178,12 @@ def _panels_int8_block_runner(p: Projection, weight: NextWeight, bias, scale) ->
     return lambda a, s: gemm(a, s, weight())
 
 
+def _panels_int8_group_runner(p: Projection, weight: NextWeight, bias, scale) -> Callable:
+    gemm = panel_linear.timing_kernel(panel_linear.INT8_GROUP)
+    scales = panel_linear.pack_int4_groups(scale)
+    return lambda a, s: gemm(a, s, weight(), scales)
+
+
 def _widened_runner(p: Projection, weight: NextWeight, bias, scale) -> Callable:
     return lambda a, s: a.float() @ weight().float().t()
 
@@ -191,6 +201,8 @@ def _aten_emit(insert: Insert, a, weight, bias):
     (neither AVX2 nor AVX-512), and blocked int8's on prefill chunks where that computes faster."""
     if weight.meta["val"].dtype == torch.uint8:
         return _dequantized_int4_emit(insert, a, weight, bias)
+    if isinstance(bias, tuple):
+        return _dequantized_int8_grouped_emit(insert, a, weight, bias)
     if bias is not None:
         return _dequantized_int8_blocked_emit(insert, a, weight, bias)
     sums = insert(aten._int_mm.default, (a, insert(aten.t.default, (weight,))))
@@ -224,6 +236,20 @@ def _dequantized_int8_blocked_emit(insert: Insert, a, weight, a_scale):
     wide = insert(aten._to_copy.default, (weight,), {"dtype": torch.float32})
     x = _dequantized_rows(insert, a, a_scale, weight.meta["val"].shape[1])
     return insert(aten.mm.default, (x, insert(aten.t.default, (wide,))))
+
+
+def _dequantized_int8_grouped_emit(insert: Insert, a, weight, extra):
+    a_scale, scales = extra
+    n, k = weight.meta["val"].shape
+    wide = insert(aten.view.default, (insert(aten._to_copy.default, (weight,), {"dtype": torch.float32}),
+                                      [n, k // quant.ACT_BLOCK, quant.ACT_BLOCK]))
+    scale = insert(aten.unsqueeze.default, (insert(aten._to_copy.default, (scales,), {"dtype": torch.float32}), -1))
+    w = insert(aten.view.default, (insert(aten.mul.Tensor, (wide, scale)), [n, k]))
+    return insert(aten.mm.default, (_dequantized_rows(insert, a, a_scale, k), insert(aten.t.default, (w,))))
+
+
+def _panels_int8_group_emit(insert: Insert, a, weight, extra):
+    return insert(ops.panel_int8_group_linear.default, (a, extra[0], weight, extra[1]))
 
 
 def _panels_int8_block_emit(insert: Insert, a, weight, a_scale):
@@ -315,23 +341,29 @@ PANELS8_INT8_BLOCK = GemmCandidate("panels8_int8_blocked", ("int8_blocked",), (t
                                    "block of 32 K summed exactly, times its scale", _panels_int8_block_runner,
                                    _panels_int8_block_emit, panel_linear.pack_int8_blocked, plain=True,
                                    op=ops.panel_int8_block_linear.default, check=_panels_check)
+PANELS8_INT8_GROUP = GemmCandidate("panels8_int8_grouped", ("int8_grouped",), (torch.int8,),
+                                   "kiln's W8A8 panel GEMM with activation blocks, each block's sum also times its "
+                                   "weight scale (fp16, per output channel): the blocked kernel's panels",
+                                   _panels_int8_group_runner, _panels_int8_group_emit, panel_linear.pack_int8_blocked,
+                                   plain=True, op=ops.panel_int8_group_linear.default, check=_panels_check)
 INT4_GROUPS = GemmCandidate("panels8_int4_groups", (), None, "the group scales and minimums (fp16) of a weight on "
-                            "kiln's W4A8 panel GEMM, each panel's [groups, 8] in order (a format, never a kernel "
-                            "of its own)", _aten_runner, None, panel_linear.pack_int4_groups, plain=True)
+                            "kiln's W4A8 panel GEMM or the grouped int8 one, each panel's [groups, 8] in order (a "
+                            "format, never a kernel of its own)", _aten_runner, None, panel_linear.pack_int4_groups,
+                            plain=True)
 WIDENED = GemmCandidate("widened", INT8_KINDS, (torch.int8,),
                         "int8 codes widened to fp32 per call for torch's float GEMM (exact: integer products): "
                         "where a CPU's int8 GEMMs are slow, large prefill chunks compute faster so",
                         _widened_runner, _widened_emit)
 
 ALL = (ONEDNN, ONEDNN_INT8, FBGEMM_INT8, FBGEMM_W7A8, ONEDNN_FP8, PANELS16, PANELS16_INT8, PANELS8_INT4,
-       PANELS8_INT8_BLOCK, WIDENED)
+       PANELS8_INT8_BLOCK, PANELS8_INT8_GROUP, WIDENED)
 """The candidates, in the order they are tried (ties go to the earlier)."""
 BY_ID = {c.id: c for c in (ATEN, *ALL)}
 FORMATS = {c.id: c for c in (*ALL, INT4_GROUPS) if c.packed}
 """The weight formats: a packed candidate's format has its id (and the int4 panel GEMM's group scales and
 minimums have theirs)."""
-SCALE_FORMATS = {PANELS8_INT4.id: INT4_GROUPS.id}
-"""The format of the group scales and minimums a kernel reads beside its weight, where it packs them too."""
+SCALE_FORMATS = {PANELS8_INT4.id: INT4_GROUPS.id, PANELS8_INT8_GROUP.id: INT4_GROUPS.id}
+"""The format of the group scales (and minimums) a kernel reads beside its weight, where it packs them too."""
 PLAIN_FORMATS = tuple(c.id for c in (*ALL, INT4_GROUPS) if c.plain)
 """Formats whose packed weight is a plain tensor of the weight's shape and dtype, which `pack` can write
 into memory given to it (the pack cache gives a file's)."""

@@ -80,7 +80,9 @@ class PanelKernel:
     """Whether `entry` is the int4 kernel's: the activations' block scales after them, the weight's group scales
     and minimums after it, and the group count after K."""
     blocked: bool = False
-    """Whether `entry` takes the activations' block scales after them (the blocked int8 kernel)."""
+    """Whether `entry` takes the activations' block scales after them (the blocked int8 kernels)."""
+    grouped: bool = False
+    """Whether `entry` also takes the weight's fp16 scales per block after it (the grouped int8 kernel)."""
 
 
 FLOAT = PanelKernel("panel_linear", SOURCE, "kiln_panel_gemm", WRAPPER_SOURCE, "aoti_torch_cpu_kiln_panel_linear",
@@ -92,6 +94,10 @@ INT4 = PanelKernel("panel_int4_linear", INT4_SOURCE, "kiln_panel_int4_gemm", INT
 INT8_BLOCK = PanelKernel("panel_int8_block_linear", INT8_BLOCK_SOURCE, "kiln_panel_int8_block_gemm",
                          INT8_BLOCK_WRAPPER_SOURCE, "aoti_torch_cpu_kiln_panel_int8_block_linear",
                          ("-mavx2", "-mavx512f"), takes_bias=False, blocked=True)
+INT8_GROUP = PanelKernel("panel_int8_group_linear", INT8_BLOCK_SOURCE, "kiln_panel_int8_group_gemm",
+                         INT8_BLOCK_WRAPPER_SOURCE, "aoti_torch_cpu_kiln_panel_int8_group_linear",
+                         ("-mavx2", "-mavx512f"), takes_bias=False, blocked=True, grouped=True)
+"""The blocked int8 kernel with a weight scale per output channel and block (llama.cpp's Q8_0): the same C++."""
 
 
 def pack(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -244,24 +250,45 @@ def _(a, a_scale, weight):
     return a.new_empty((a.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
+@torch.library.custom_op("kiln::panel_int8_group_linear", mutates_args=())
+def panel_int8_group_linear(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor,
+                            scales: torch.Tensor) -> torch.Tensor:
+    """`kiln::int8_block_mm` with the weight's scales per group of ACT_BLOCK, in fp32 without a bias: `weight` holds
+    the int8 codes packed by `pack_int8_blocked`, `scales` their [N, K / ACT_BLOCK] fp16 packed by
+    `pack_int4_groups`. This function is the reference (it unpacks them); a compiled piece runs the kernel
+    (`INT8_BLOCK_SOURCE`'s grouped entry)."""
+    from kiln.kernels.quant import int8_block_mm
+
+    return int8_block_mm(a, a_scale, unpack_int8_blocked(weight), unpack_int4_groups(scales), torch.float32)
+
+
+@panel_int8_group_linear.register_fake
+def _(a, a_scale, weight, scales):
+    return a.new_empty((a.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
 INT8_MAX_K = (1 << 31) // (255 * 128)
 """The longest row whose int32 sums of (w + 128) x a cannot overflow."""
 
 
 def available(shape: tuple[int, int], dtype: torch.dtype, groups: int = 0, blocked: bool = False) -> str | None:
     """Why no panel GEMM can run an [N, K] projection of `dtype` (fp32, int8 codes (`blocked`: with activation
-    blocks), or 4-bit codes two to a uint8 in `groups` groups, `shape` then the codes' [N, K / 2]) here, or None."""
+    blocks, and with `groups` also a weight scale per block), or 4-bit codes two to a uint8 in `groups` groups,
+    `shape` then the codes' [N, K / 2]) here, or None."""
     n, k = shape
     if dtype not in (torch.float32, torch.int8, torch.uint8):
         return "fp32, int8 and int4 weights only"
-    kernel = INT8_BLOCK if blocked else {torch.float32: FLOAT, torch.int8: INT8, torch.uint8: INT4}[dtype]
-    panel = INT4_PANEL if kernel in (INT4, INT8_BLOCK) else PANEL
+    kernel = (INT8_GROUP if groups else INT8_BLOCK) if blocked else \
+        {torch.float32: FLOAT, torch.int8: INT8, torch.uint8: INT4}[dtype]
+    panel = INT4_PANEL if kernel in (INT4, INT8_BLOCK, INT8_GROUP) else PANEL
     if n % panel:
         return f"{n} output channels are not a multiple of {panel}"
     if kernel is INT4 and (groups <= 0 or (2 * k) % groups or (2 * k // groups) % ACT_BLOCK):
         return f"groups of {2 * k} / {groups} input channels are not a multiple of {ACT_BLOCK}"
-    if kernel is INT8_BLOCK and k % ACT_BLOCK:
+    if kernel in (INT8_BLOCK, INT8_GROUP) and k % ACT_BLOCK:
         return f"{k} input channels are not a multiple of {ACT_BLOCK}"
+    if kernel is INT8_GROUP and groups * ACT_BLOCK != k:
+        return f"a weight scale per {k} / {groups} input channels, where the kernel takes one per {ACT_BLOCK}"
     if kernel is INT8 and (k % 4 or k > INT8_MAX_K):
         return f"{k} input channels are not a multiple of 4 up to {INT8_MAX_K}"
     if not set(kernel.isa) & set(_arch_flags()):
@@ -308,6 +335,9 @@ def timing_kernel(kernel: PanelKernel = FLOAT) -> Callable[..., torch.Tensor] | 
     if kernel.w4a8:
         gemm.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4
         return functools.partial(_run_w4a8, gemm)
+    if kernel.grouped:
+        gemm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
+        return functools.partial(_run_grouped, gemm)
     if kernel.blocked:
         gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
         return functools.partial(_run_blocked, gemm)
@@ -342,4 +372,14 @@ def _run_blocked(gemm, a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Ten
     a, a_scale = a.contiguous(), a_scale.float().contiguous()
     out = a.new_empty((a.shape[0], weight.shape[0]), dtype=torch.float32)
     gemm(a.data_ptr(), a_scale.data_ptr(), weight.data_ptr(), out.data_ptr(), a.shape[0], weight.shape[0], a.shape[1])
+    return out
+
+
+def _run_grouped(gemm, a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor,
+                 scales: torch.Tensor) -> torch.Tensor:
+    """The grouped int8 kernel on `kiln::panel_int8_group_linear`'s arguments."""
+    a, a_scale, scales = a.contiguous(), a_scale.float().contiguous(), scales.to(torch.float16).contiguous()
+    out = a.new_empty((a.shape[0], weight.shape[0]), dtype=torch.float32)
+    gemm(a.data_ptr(), a_scale.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(), a.shape[0],
+         weight.shape[0], a.shape[1])
     return out

@@ -179,16 +179,21 @@ def int8_block_mm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_sca
                   out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     """W8A8 with activation blocks: (a * a_scale) @ (b * b_scale[:, None]).T + bias for int8 a [M, K] with a
     scale per row and block of ACT_BLOCK (a_scale [M, K / ACT_BLOCK]) and int8 weight codes b [N, K] with a
-    scale per output channel. The eager path: the activations dequantized to fp32 and the weight widened for
-    torch's float GEMM, a block of output channels at a time (products of int8 codes are exact in fp32; the
-    kernel sums each block's in integers, fp32 in another order)."""
+    scale per output channel, or with b_scale [N, K / ACT_BLOCK] one per output channel and block (llama.cpp's
+    Q8_0). The eager path: the activations dequantized to fp32 and the weight widened for torch's float GEMM,
+    a block of output channels at a time (products of int8 codes are exact in fp32; the kernel sums each
+    block's in integers, fp32 in another order)."""
     m, k = a.shape
     x = dequantize_blocked(a, a_scale)
     out = a.new_empty((m, b.shape[0]), dtype=torch.float32)
+    grouped = b_scale.dim() == 2
     rows = max(1, (1 << 20) // k)  # ~4 MB of fp32 weight at a time
     for i in range(0, b.shape[0], rows):
-        torch.mm(x, b[i:i + rows].float().t(), out=out[:, i:i + rows])
-    return _biased(out * b_scale.float().reshape(1, -1), bias, out_dtype)
+        w = b[i:i + rows].float()
+        if grouped:
+            w = (w.view(w.shape[0], -1, ACT_BLOCK) * b_scale[i:i + rows].float()[..., None]).view(w.shape[0], k)
+        torch.mm(x, w.t(), out=out[:, i:i + rows])
+    return _biased(out if grouped else out * b_scale.float().reshape(1, -1), bias, out_dtype)
 
 
 @int8_block_mm.register_fake
@@ -228,6 +233,24 @@ def quantize_weight_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
         out[i:i + rows] = pack_nibbles(q.reshape(-1, k))
         scales[i:i + rows], mins[i:i + rows] = s, low
     return out, scales, mins
+
+
+def quantize_weight_grouped(w: torch.Tensor, group: int = ACT_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [N, K] -> (int8 codes [N, K], fp16 scales [N, K / group]): symmetric, each group of `group` input
+    channels of a row its own scale max|w| / 127, rounded to fp16 before the codes are chosen (llama.cpp's Q8_0).
+    A block of rows at a time like `quantize_weight`."""
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"{k} input channels are not a multiple of the group size {group}")
+    out = torch.empty((n, k), dtype=torch.int8, device=w.device)
+    scales = torch.empty((n, k // group), dtype=torch.float16, device=w.device)
+    rows = max(1, (1 << 19) // max(1, k))
+    for i in range(0, n, rows):
+        g = w[i:i + rows].float().reshape(-1, k // group, group)
+        s = (torch.maximum(g.amax(dim=-1), g.amin(dim=-1).neg()) / INT8_MAX).half().clamp_(min=2 ** -24)
+        out[i:i + rows] = torch.div(g, s.float()[..., None]).round_().clamp_(-INT8_MAX, INT8_MAX).reshape(-1, k)
+        scales[i:i + rows] = s
+    return out, scales
 
 
 def dequantize_int4(weight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:

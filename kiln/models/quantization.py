@@ -5,7 +5,9 @@ checkpoint loads into.
 the weight in int8 or fp8 with one scale per output channel (activations quantized at run time: int8's
 per token and block of 32 on a CPU, else per token), or for "int4" an `Int4Linear` holding 4-bit codes
 with a scale and a minimum per output channel and group of 32 input channels (W4A8: activations
-quantized per token and block of 32). "w7a8" is int8 with weight codes in [-63, 63] and per-token
+quantized per token and block of 32). "q8_0" is int8 with an fp16 weight scale per output channel and
+group of 32 input channels (llama.cpp's Q8_0; activations per token and block of 32, on the CPU only).
+"w7a8" is int8 with weight codes in [-63, 63] and per-token
 activations: on x86 CPUs without VNNI, fbgemm's int8 GEMM is exact on those without splitting the
 activations (`kiln.kernels.packed_linear`). `quantized_layout` gives a model the same layers, empty,
 for a compressed-tensors checkpoint; with static activations each layer also holds one calibrated
@@ -21,7 +23,7 @@ from torch import nn
 from kiln.config import NO_QUANTIZATION
 from kiln.errors import KilnError
 from kiln.kernels import packed_linear, quantize_weight
-from kiln.kernels.quant import ACT_BLOCK, INT4_GROUP, quantize_weight_int4
+from kiln.kernels.quant import ACT_BLOCK, INT4_GROUP, quantize_weight_grouped, quantize_weight_int4
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +39,9 @@ class Scheme:
 
 
 SCHEMES = {"int8": Scheme(torch.int8), "w7a8": Scheme(torch.int8, float(packed_linear.W7A8_MAX)),
-           "fp8": Scheme(torch.float8_e4m3fn), "int4": Scheme(torch.uint8)}
+           "fp8": Scheme(torch.float8_e4m3fn), "int4": Scheme(torch.uint8), "q8_0": Scheme(torch.int8)}
+CPU_ONLY = ("int4", "q8_0")
+"""Schemes whose activations take a scale per block of 32, which only the CPU's kernels run."""
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
@@ -62,7 +66,7 @@ def check_scheme(name: str | None) -> str | None:
 
 class QuantLinear(nn.Module):
     """y = quant(x) @ W_q.T * scales + bias, in the dtype of x. `weight` [N, K] is int8 or fp8,
-    `weight_scale` [N] fp32; `input_scale` (static per-tensor activations) is None for dynamic ones, which
+    `weight_scale` [N] fp32, or for q8_0 [N, K / 32] fp16 (a scale per group of 32 input channels); `input_scale` (static per-tensor activations) is None for dynamic ones, which
     are quantized per token, or on a CPU per token and block of `act_block` input channels where that is set
     (int8: what llama.cpp's Q8_0 dot products do; cuBLAS's int8 GEMM takes per-token scales only)."""
 
@@ -77,7 +81,10 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scheme: str) -> "QuantLinear":
-        q, scale = quantize_weight(linear.weight.detach(), SCHEMES[scheme].dtype, SCHEMES[scheme].weight_max)
+        if scheme == "q8_0":
+            q, scale = quantize_weight_grouped(linear.weight.detach(), act_block("q8_0", linear.weight.shape[1]))
+        else:
+            q, scale = quantize_weight(linear.weight.detach(), SCHEMES[scheme].dtype, SCHEMES[scheme].weight_max)
         bias = linear.bias.detach() if linear.bias is not None else None
         return cls(q, scale, bias, act_block=act_block(scheme, q.shape[1]))
 
@@ -117,7 +124,13 @@ class Int4Linear(nn.Module):
 
 def act_block(scheme: str, k: int) -> int:
     """The activation block of a dynamic projection of `k` input channels under `scheme`: ACT_BLOCK for int8
-    where it divides k, else 0 (per token: fp8, w7a8, whose fbgemm kernel multiplies whole rows)."""
+    where it divides k, else 0 (per token: fp8, w7a8, whose fbgemm kernel multiplies whole rows); q8_0's
+    weight groups are its activation blocks, which must divide k."""
+    if scheme == "q8_0":
+        if k % ACT_BLOCK:
+            raise KilnError(f"--quantization q8_0 needs each projection's input channels in groups of {ACT_BLOCK}; "
+                            f"one has {k}: use --quantization int8")
+        return ACT_BLOCK
     return ACT_BLOCK if scheme == "int8" and k % ACT_BLOCK == 0 else 0
 
 
@@ -127,9 +140,10 @@ def quantized_linear(linear: nn.Linear, scheme: str) -> nn.Module:
 
 
 def check_int4_placement(scheme: str | None, device: torch.device) -> None:
-    """int4 runs on the CPU: refused elsewhere, by name."""
-    if scheme == "int4" and device.type != "cpu":
-        raise KilnError(f"int4 (W4A8) weights run on the CPU only; this is {device}: use --quantization int8 or fp8, "
+    """int4 and q8_0 run on the CPU only: refused elsewhere, by name."""
+    if scheme in CPU_ONLY and device.type != "cpu":
+        what = "int4 (W4A8) weights" if scheme == "int4" else "q8_0 weights (a scale per 32)"
+        raise KilnError(f"{what} run on the CPU only; this is {device}: use --quantization int8 or fp8, "
                         "or --device cpu")
 
 
@@ -185,9 +199,10 @@ def quantized_layout(model: nn.Module, scheme: str, static_input: bool, group_si
             groups = (torch.empty((n, k // group), dtype=torch.float16, device=w.device) for _ in range(2))
             return Int4Linear(torch.empty((n, k // 2), dtype=torch.uint8, device=w.device), *groups, bias)
         input_scale = torch.empty(1, dtype=torch.float32, device=w.device) if static_input else None
-        return QuantLinear(torch.empty(w.shape, dtype=dtype, device=w.device),
-                           torch.empty(w.shape[0], dtype=torch.float32, device=w.device), bias, input_scale,
-                           act_block(scheme, w.shape[1]))
+        block = act_block(scheme, w.shape[1])
+        scale = torch.empty((w.shape[0], w.shape[1] // block), dtype=torch.float16, device=w.device) \
+            if scheme == "q8_0" else torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+        return QuantLinear(torch.empty(w.shape, dtype=dtype, device=w.device), scale, bias, input_scale, block)
 
     _swap_projections(model, empty)
     model.quantization = scheme

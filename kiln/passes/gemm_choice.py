@@ -57,8 +57,10 @@ MAX_COPIES = 32
 MIN_TIMED_ELEMENTS = 1 << 19
 """A projection of fewer weight elements (N x K) takes microseconds with either kernel: its timing is
 noise (it would pick kernels, and split variants, at random), so torch's GEMM is kept untimed."""
-BLOCKED_KINDS = ("int4", "int8_blocked")
+BLOCKED_KINDS = ("int4", "int8_blocked", "int8_grouped")
 """Kinds whose activations have a scale per token and block of ACT_BLOCK."""
+UNTIMED_KINDS = ("fp8", "int4", "int8_grouped")
+"""Kinds whose torch form widens the whole weight on every call: the first candidate that runs wins, untimed."""
 TIME_BUDGET_S = 0.1
 """About how long one candidate is timed at one token count."""
 
@@ -68,7 +70,7 @@ class GemmChoice:
     """One weight signature's decision: the median milliseconds of each candidate at each count."""
 
     kind: str  # "float" (mm/addmm), "int8", "w7a8" (int8 with 7-bit weight codes), "fp8" (scaled_mm), "int4",
-    # "int8_blocked" (int8 with activation blocks)
+    # "int8_blocked" (int8 with activation blocks), "int8_grouped" (and weight scales per block)
     shape: tuple[int, int]  # the weight's [N, K]
     dtype: str
     kernel: str  # the id of the candidate chosen (`kiln.kernels.gemms`): a packed one's is its weight format
@@ -133,11 +135,11 @@ class GemmChooser:
             if candidate is gemms.ATEN and sig.kind in ("float", "fp8"):  # what the graph calls already
                 continue
             for node, weight in nodes:
-                grouped = _int4_args(node)[3:5] if choice.kernel in gemms.SCALE_FORMATS else ()
+                grouped = _group_scales(node) if choice.kernel in gemms.SCALE_FORMATS else ()
                 _rewrite(graph, node, weight, candidate)
                 if candidate.packed:
                     formats[weight.target] = choice.kernel
-                for tensor in grouped:  # the int4 weight's group scales and minimums
+                for tensor in grouped:  # the weight's group scales (and int4's minimums)
                     formats[tensor.target] = gemms.SCALE_FORMATS[choice.kernel]
         return choices, formats
 
@@ -210,10 +212,15 @@ def _site(node: fx.Node, int8_kind: str = "int8") -> tuple[Projection, fx.Node] 
         return Projection("int4", tuple(val.shape), val.dtype, bias is not None, out_dtype,
                           groups=scales.meta["val"].shape[1]), weight
     if node.target is ops.int8_block_mm.default:
-        _, _, weight, _, out_dtype, bias = _int8_block_args(node)
+        _, _, weight, b_scale, out_dtype, bias = _int8_block_args(node)
         if not _is_cpu_input(weight):
             return None
         val = weight.meta["val"]
+        if b_scale.meta["val"].dim() == 2:  # a scale per block: the kernel packs them, which only it may read
+            if not (_is_cpu_input(b_scale) and len(b_scale.users) == 1):
+                return None
+            return Projection("int8_grouped", tuple(val.shape), val.dtype, bias is not None, out_dtype,
+                              groups=b_scale.meta["val"].shape[1]), weight
         return Projection("int8_blocked", tuple(val.shape), val.dtype, bias is not None, out_dtype), weight
     if node.target is ops.scaled_mm.default:
         weight = node.args[1]
@@ -286,6 +293,9 @@ def _rewrite(graph: fx.Graph, node: fx.Node, weight: fx.Node, candidate: GemmCan
             a, a_scale, _, scales, mins, out_dtype, bias = _int4_args(node)
             out = _epilogue(graph, candidate.emit(insert, a, weight, (a_scale, scales, mins)), None, None, bias,
                             out_dtype)
+        elif node.target is ops.int8_block_mm.default and node.args[3].meta["val"].dim() == 2:
+            a, a_scale, _, b_scale, out_dtype, bias = _int8_block_args(node)
+            out = _epilogue(graph, candidate.emit(insert, a, weight, (a_scale, b_scale)), None, None, bias, out_dtype)
         elif node.target is ops.int8_block_mm.default:
             a, a_scale, _, b_scale, out_dtype, bias = _int8_block_args(node)
             out = _epilogue(graph, candidate.emit(insert, a, weight, a_scale), None, b_scale, bias, out_dtype)
@@ -314,6 +324,13 @@ def _int4_args(node: fx.Node) -> tuple:
     names = ("a", "a_scale", "b", "b_scale", "b_min", "out_dtype", "bias")
     values = dict(zip(names, node.args)) | dict(node.kwargs)
     return tuple(values.get(n) for n in names)
+
+
+def _group_scales(node: fx.Node) -> tuple:
+    """The inputs a grouped kernel packs beside the weight: int4's scales and minimums, grouped int8's scales."""
+    if node.target is ops.int4_block_mm.default:
+        return _int4_args(node)[3:5]
+    return (_int8_block_args(node)[3],)
 
 
 def _int8_block_args(node: fx.Node) -> tuple:
@@ -361,7 +378,7 @@ def _measure(sig: Projection, tokens: tuple[int, ...], timer: Timer,
     dtype = str(sig.dtype).removeprefix("torch.")
     candidates = candidates or gemms.for_kind(sig.kind)
     aten_id = gemms.ATEN.id
-    if sig.kind not in ("fp8", "int4") and n * k < MIN_TIMED_ELEMENTS:
+    if sig.kind not in UNTIMED_KINDS and n * k < MIN_TIMED_ELEMENTS:
         return GemmChoice(sig.kind, sig.shape, dtype, aten_id, tokens, {},
                           rejected={c.id: f"{n} x {k} weights: too small to time apart" for c in candidates})
     generator = torch.Generator().manual_seed(n * 31 + k)
@@ -372,6 +389,8 @@ def _measure(sig: Projection, tokens: tuple[int, ...], timer: Timer,
     if sig.kind == "int4":  # the group scales and minimums, fp16 as stored
         scale = ((torch.rand(n, sig.groups, generator=generator) * 0.01 + 1e-3).half(),
                  (torch.rand(n, sig.groups, generator=generator) * -0.05).half())
+    if sig.kind == "int8_grouped":  # the scales per block, fp16 as stored
+        scale = (torch.rand(n, sig.groups, generator=generator) * 0.01 + 1e-3).half()
     bias = torch.randn(n, generator=generator).to(sig.act_dtype) if sig.bias else None
     rejected: dict[str, str] = {}
     runs = {aten_id: _runner(sig, gemms.ATEN, plain, scale, bias)}
@@ -388,7 +407,7 @@ def _measure(sig: Projection, tokens: tuple[int, ...], timer: Timer,
         if problem is not None:
             rejected[candidate.id] = problem
             runs.pop(candidate.id, None)
-    if sig.kind in ("fp8", "int4"):  # no timing needed: torch's form widens the whole weight on every call
+    if sig.kind in UNTIMED_KINDS:  # no timing needed: torch's form widens the whole weight on every call
         return GemmChoice(sig.kind, sig.shape, dtype, next((c.id for c in candidates if c.id in runs), aten_id),
                           tokens, {}, rejected=rejected)
     ms: dict[str, list[float]] = {name: [] for name in runs}
@@ -404,7 +423,7 @@ def _measure(sig: Projection, tokens: tuple[int, ...], timer: Timer,
 
 def _random_weight(sig: Projection, generator: torch.Generator) -> torch.Tensor:
     n, k = sig.shape
-    if sig.kind in (*INT8_KINDS, "int8_blocked"):
+    if sig.kind in (*INT8_KINDS, "int8_blocked", "int8_grouped"):
         top = sig.code_max
         return torch.randint(-top, top + 1, (n, k), generator=generator, dtype=torch.int8)
     if sig.kind == "int4":

@@ -69,14 +69,14 @@ def stored_types(model_dir: Path) -> dict[str, int] | None:
 
 def stored_quantization(model_dir: Path) -> tuple[str, str] | None:
     """The kiln scheme a GGUF checkpoint's projections run in unless asked otherwise, and how they reach it: int4
-    as stored where every projection is Q4_0, Q4_1 or Q4_K (`GgufFile.int4_codes`); int8 where at least half
-    their weights are Q8_0 (requantized per channel); int4 for another mix of quantized types (the K-quant
-    mixes' Q5_0, Q6_K and Q8_0 tensors requantized in groups of 32). None where any projection is stored in
-    floating point, and for safetensors."""
+    as stored where every projection is Q4_0, Q4_1 or Q4_K (`GgufFile.int4_codes`); q8_0 where at least half their
+    weights are Q8_0 (`GgufFile.int8_codes`: Q8_0's and Q5_0's codes as stored, other types requantized in groups
+    of 32); int4 for another mix of quantized types (the K-quant mixes; their Q5_0, Q6_K and Q8_0 tensors
+    requantized in groups of 32). None where any projection is stored in floating point, and for safetensors."""
     files = checkpoint_files(model_dir)
     if files[0].suffix != ".gguf":
         return None
-    from kiln.weights.gguf_file import EXACT_INT4, FLOAT_TYPES
+    from kiln.weights.gguf_file import EXACT_INT4, EXACT_INT8, FLOAT_TYPES
 
     weights: Counter = Counter()
     with GgufFile(files[0]) as f:
@@ -89,5 +89,7 @@ def stored_quantization(model_dir: Path) -> tuple[str, str] | None:
     if set(weights) <= set(EXACT_INT4):
         return "int4", f"kiln's int4 codes as stored ({kinds})"
     if 2 * weights["Q8_0"] >= sum(weights.values()):
-        return "int8", f"{kinds}, requantized to int8 per channel"
+        requantized = sorted(set(weights) - set(EXACT_INT8))
+        return "q8_0", f"kiln's q8_0 codes as stored ({kinds}" + (
+            f"; {', '.join(requantized)} requantized in groups of 32)" if requantized else ")")
     return "int4", f"{kinds}, requantized to int4 in groups of 32 where not Q4_0, Q4_1 or Q4_K"

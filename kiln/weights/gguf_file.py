@@ -55,6 +55,8 @@ FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat1
 DEQUANTIZED = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 """The quantized types read (dequantized at load, unless `EXACT_INT4` holds them as stored)."""
 
+EXACT_INT8 = {"Q8_0": 34, "Q5_0": 22}
+"""Types whose codes kiln's q8_0 format (int8, an fp16 scale per 32) holds as they are, and their block's bytes."""
 EXACT_INT4 = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
 """Types whose codes kiln's int4 format holds as they are (`--quantization int4`), and their block's bytes."""
 
@@ -201,7 +203,7 @@ class GgufFile:
         self.digests: dict[str, bytes] = {}
         """The checksum (`kiln.checksum`) of each tensor's stored bytes read, by name: the loaded contents' identity."""
         self.exact: set[str] = set()
-        """The tensors read as kiln int4 codes unchanged (`int4_codes`), not dequantized."""
+        """The tensors read as kiln int4 or q8_0 codes (`int4_codes`, `int8_codes`), not dequantized."""
 
     def keys(self) -> list[str]:
         return list(self._tensors)
@@ -263,6 +265,35 @@ class GgufFile:
             out = [_unpermute(t, heads) for t in out]
         return tuple(out)
 
+    def int8_codes(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A Q8_0 or Q5_0 tensor's codes as kiln's q8_0 format holds them, unchanged: (codes [N, K] int8, scales
+        [N, K / 32] fp16), each weight scale x code (Q5_0's d x (q - 16)). None for any other type."""
+        shape, qtype, begin, end = self._tensors[name]
+        if qtype.name not in EXACT_INT8:
+            return None
+        stored = np.asarray(self._map[begin:end])
+        self.digests[name] = checksum.digest(memoryview(stored))
+        self.exact.add(name)
+        blocks = stored.reshape(-1, EXACT_INT8[qtype.name])
+        scales = blocks[:, 0:2].copy().view(np.float16)[:, 0]
+        if qtype.name == "Q8_0":
+            codes = blocks[:, 2:].copy().view(np.int8)
+            if (codes == -128).any():  # llama.cpp's quantizer writes -127..127; kiln's kernels take no -128
+                logger.warning("%s: %s holds Q8_0 codes of -128, read as -127", self.path.name, name)
+                np.maximum(codes, -127, out=codes)
+        else:  # 16 bytes of low nibbles (values 0-15 low, 16-31 high) and a 32-bit word of fifth bits
+            high = blocks[:, 2:6].copy().view(np.uint32)
+            fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+            qs = blocks[:, 6:]
+            codes = (np.concatenate([qs & 0x0F, qs >> 4], axis=1) | fifth).astype(np.int8) - np.int8(16)
+        n = shape[0]
+        out = [torch.from_numpy(np.ascontiguousarray(codes.reshape(n, -1))),
+               torch.from_numpy(np.ascontiguousarray(scales.reshape(n, -1)))]
+        if self.architecture in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = self._heads[0] if ".q_proj." in name else self._heads[1]
+            out = [_unpermute(t, heads) for t in out]
+        return tuple(out)
+
     def read_into(self, name: str, out: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
         """Read tensor `name` (or `rows` of it) into `out`, a tensor of its dtype and shape."""
         out.copy_(self.tensor(name, rows).reshape(out.shape))
@@ -272,7 +303,8 @@ class GgufFile:
         parts = []
         for kind, count in sorted(self.types.items()):
             exact = sum(1 for n in self.exact if self.stored_type(n) == kind)
-            held = "kiln int4 codes, scales rounded to fp16" if kind == "Q4_K" else "kiln int4 codes unchanged"
+            held = "kiln int4 codes, scales rounded to fp16" if kind == "Q4_K" else \
+                "kiln q8_0 codes unchanged" if kind in EXACT_INT8 else "kiln int4 codes unchanged"
             how = [f"{exact} as {held}"] if exact else []
             if kind not in FLOAT_TYPES and count > exact:
                 how.append(f"{count - exact} dequantized at load")

@@ -17,7 +17,7 @@ import torch
 from kiln import checksum
 from kiln.errors import KilnError
 from kiln.kernels import quantize_weight
-from kiln.kernels.quant import INT4_GROUP, quantize_weight_int4
+from kiln.kernels.quant import ACT_BLOCK, INT4_GROUP, quantize_weight_grouped, quantize_weight_int4
 from kiln.models.llama import CausalLM
 from kiln.models.quantization import SCHEMES, int4_group
 from kiln.models.tensor_parallel import Shard
@@ -35,8 +35,8 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def checkpoint_bytes(model_dir: Path, dtype: torch.dtype, quantize: str | None = None) -> int:
     """Bytes the checkpoint's tensors take once loaded to run in `dtype` (floating-point tensors are
     cast to it; quantized weights stay as stored; with the `quantize` scheme, projections take a byte
-    a weight and a scale a row, or for int4 half a byte and an fp16 scale and minimum a group), read from
-    the files' headers alone."""
+    a weight and a scale a row, or for int4 half a byte and an fp16 scale and minimum a group, for q8_0 a byte
+    and an fp16 scale a group), read from the files' headers alone."""
     total = 0
     for path in checkpoint_files(model_dir):
         with open_checkpoint(path) as f:
@@ -45,7 +45,7 @@ def checkpoint_bytes(model_dir: Path, dtype: torch.dtype, quantize: str | None =
                 if quantize and stored.itemsize > 1 and name.endswith(PROJECTION_WEIGHTS):
                     rows, k = f.shape(name)
                     total += rows * k // 2 + 4 * rows * (k // int4_group(k)) if quantize == "int4" else \
-                        rows * k + 4 * rows
+                        rows * k + 2 * rows * (k // ACT_BLOCK) if quantize == "q8_0" else rows * k + 4 * rows
                     continue
                 size = dtype.itemsize if stored.is_floating_point and stored.itemsize > 1 else stored.itemsize
                 total += size * f.numel(name)
@@ -150,9 +150,16 @@ def _load_tensor(f: SafetensorsFile | GgufFile, name: str, model: CausalLM, para
         low = params.get(pname.removesuffix(".weight") + ".weight_min")
         if scheme == "int4" and shard is None and isinstance(f, GgufFile) \
                 and scale.shape[1] * INT4_GROUP == f.shape(name)[1]:
-            exact = f.int4_codes(name)  # a Q4_0 or Q4_1 tensor's codes are kiln's int4, as stored
+            exact = f.int4_codes(name)  # a Q4_0, Q4_1 or Q4_K tensor's codes are kiln's int4, as stored
             if exact is not None:
                 for dest, value in zip((param, scale, low), exact):
+                    _check_shape(name, value, (rows, *dest.shape[1:]), f.path)
+                    dest.data[offset:offset + rows].copy_(value)
+                return []
+        if scheme == "q8_0" and shard is None and isinstance(f, GgufFile):
+            exact = f.int8_codes(name)  # a Q8_0 or Q5_0 tensor's codes are kiln's q8_0, as stored
+            if exact is not None:
+                for dest, value in zip((param, scale), exact):
                     _check_shape(name, value, (rows, *dest.shape[1:]), f.path)
                     dest.data[offset:offset + rows].copy_(value)
                 return []
@@ -180,6 +187,8 @@ def _quantize_into(tensor: torch.Tensor, scheme: str, model: CausalLM, weight: t
     if scheme == "int4":
         codes, scales, mins = quantize_weight_int4(tensor, tensor.shape[1] // scale.shape[1])
         low.data[offset:offset + rows].copy_(mins)
+    elif scheme == "q8_0":
+        codes, scales = quantize_weight_grouped(tensor, tensor.shape[1] // scale.shape[1])
     else:
         codes, scales = quantize_weight(tensor, weight.dtype, SCHEMES[scheme].weight_max)
     weight.data[offset:offset + rows].copy_(codes)

@@ -13,8 +13,8 @@ OPENINGS = paragraph_openings()
 
 # Documented bounds: relative Frobenius error of one projection's output, quantized vs full precision,
 # on the demo models' real activations (measured worst over the four archs: int8 0.020, fp8 0.038;
-# int4, W4A8 asymmetric in groups of 32 with activations in blocks of 32, 0.085 on the qwen2).
-LAYER_BOUND = {"int8": 0.03, "w7a8": 0.035, "fp8": 0.06, "int4": 0.10}
+# int4, W4A8 asymmetric in groups of 32 with activations in blocks of 32, 0.085 on the qwen2; q8_0, a weight scale per 32, 0.010).
+LAYER_BOUND = {"int8": 0.03, "w7a8": 0.035, "fp8": 0.06, "int4": 0.10, "q8_0": 0.015}
 GREEDY64 = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
 
 
@@ -86,11 +86,23 @@ def test_greedy_tokens_agree_with_full_precision(demo_dirs, greedy_reference, ar
     assert _teacher_forced_agreement(llm, greedy_reference[arch]["tests"]) >= 0.9
 
 
-def test_int8_compiled_equals_int8_eager(demo_dirs, kiln_cache):
+def test_q8_0_compiled_equals_q8_0_eager(demo_dirs, kiln_cache):
+    """q8_0 (int8 codes with a scale per 32, activations per 32): the artifact runs every projection on kiln's
+    grouped int8 panel GEMM where it runs (AVX2 or AVX-512), else on the weight dequantized in the graph."""
+    from kiln.kernels import gemms
+
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
-    eager = LLM(demo_dirs["llama"], quantization="int8").generate(PROMPTS, params)
-    llm = LLM(demo_dirs["llama"], quantization="int8", compile=True, cache_dir=kiln_cache)
+    eager = LLM(demo_dirs["llama"], quantization="q8_0").generate(PROMPTS, params)
+    llm = LLM(demo_dirs["llama"], quantization="q8_0", compile=True, cache_dir=kiln_cache)
     assert llm.artifact_path != LLM(demo_dirs["llama"], compile=True, cache_dir=kiln_cache).artifact_path
+    probe = gemms.Projection("int8_grouped", (64, 64), torch.int8, False, groups=2)
+    want = "aten" if gemms.PANELS8_INT8_GROUP.unavailable(probe) else "panels8_int8_grouped"
+    manifest = artifact.read_manifest(llm.artifact_path)
+    choices = [c for v in manifest["variants"] for c in v["gemm_choices"]]
+    assert choices and {c["kind"] for c in choices} == {"int8_grouped"} and {c["kernel"] for c in choices} == {want}
+    if want != "aten":  # the codes in the blocked kernel's panels, their scales in the int4 kernel's group order
+        assert {f for v in manifest["variants"] for f in v["weight_formats"].values()} == \
+            {"panels8_int8_grouped", "panels8_int4_groups"}
     compiled = llm.generate(PROMPTS, params)
     for c, e in zip(compiled, eager):
         assert c.token_ids == e.token_ids
@@ -126,7 +138,7 @@ def test_schemes_are_the_clis_choices():
 
 
 def test_unknown_scheme_is_refused(demo_dirs):
-    with pytest.raises(KilnError, match="unknown quantization 'int3'; choose from int8, w7a8, fp8, int4"):
+    with pytest.raises(KilnError, match="unknown quantization 'int3'; choose from int8, w7a8, fp8, int4, q8_0"):
         LLM(demo_dirs["llama"], quantization="int3")
 
 

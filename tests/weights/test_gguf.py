@@ -191,9 +191,12 @@ def test_q4_0_q4_1_and_q4_k_codes_are_kiln_int4_as_stored(tokenizer, tmp_path, c
 
 
 def test_a_quantized_file_runs_in_the_scheme_nearest_its_types(gguf_model, tokenizer, tmp_path):
-    """Unless asked: int8 where most projection weights are Q8_0, int4 for a mix of 4- to 6-bit types (the
-    K-quant mixes), as stored for Q4_0/Q4_1/Q4_K alone (above)."""
+    """Unless asked: q8_0 where most projection weights are Q8_0, with Q8_0's and Q5_0's codes and scales as the
+    file holds them (a llama's q/k rows back in order); int4 for a mix of 4- to 6-bit types (the K-quant mixes);
+    as stored for Q4_0/Q4_1/Q4_K alone (above); floating point where a projection is."""
     from transformers import AutoModelForCausalLM
+
+    from kiln.weights.loader import _sources
 
     _, mixed, _ = gguf_model
     view = ModelWeights.directory(mixed, tmp_path)
@@ -201,11 +204,26 @@ def test_a_quantized_file_runs_in_the_scheme_nearest_its_types(gguf_model, token
         "int4", "Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, requantized to int4 in groups of 32 where not Q4_0, Q4_1 or Q4_K")
     config = _config("llama", tokenizer.get_vocab_size(), tokenizer.token_to_id(EOS_TOKEN))
     path = tmp_path / "q8.gguf"
-    write_gguf(AutoModelForCausalLM.from_config(config), tokenizer, path, "llama",
-               lambda name: "Q4_0" if "k_proj" in name else "Q8_0" if "_proj" in name else type_of(name))
+    held = write_gguf(AutoModelForCausalLM.from_config(config), tokenizer, path, "llama",
+                      lambda name: "Q5_0" if "k_proj" in name else "Q8_0" if "_proj" in name else type_of(name))
     llm = LLM(path, cache_dir=tmp_path)
-    assert llm.quantization == "int8" and ModelWeights(llm.model_dir).stored_quantization()[1] == \
-        "Q4_0, Q8_0, requantized to int8 per channel"
+    assert llm.quantization == "q8_0" and ModelWeights(llm.model_dir).stored_quantization()[1] == \
+        "kiln's q8_0 codes as stored (Q5_0, Q8_0)"
+    params = dict(llm.model.named_parameters())
+    checked = 0
+    for pname, param in params.items():
+        if param.dtype != torch.int8:
+            continue
+        scales = params[pname.removesuffix(".weight") + ".weight_scale"]
+        weights = (param.float().view(param.shape[0], -1, 32) * scales.float()[..., None]).view(param.shape)
+        assert torch.equal(weights, torch.cat([held[name] for name, _, _ in _sources(llm.model, pname, param)]))
+        checked += 1
+    assert checked == 2 * 4
+    six = tmp_path / "six.gguf"  # Q6_K beside Q8_0: requantized in groups of 32
+    write_gguf(AutoModelForCausalLM.from_config(config), tokenizer, six, "llama",
+               lambda name: "Q6_K" if "down_proj" in name else "Q8_0" if "_proj" in name else type_of(name))
+    assert ModelWeights(ModelWeights.directory(six, tmp_path)).stored_quantization() == \
+        ("q8_0", "kiln's q8_0 codes as stored (Q6_K, Q8_0; Q6_K requantized in groups of 32)")
     half = tmp_path / "half.gguf"  # a file with a projection in floating point runs in floating point
     write_gguf(AutoModelForCausalLM.from_config(config), tokenizer, half, "llama",
                lambda name: "F16" if "down_proj" in name else "Q8_0" if "_proj" in name else type_of(name))
