@@ -248,35 +248,21 @@ class GgufFile:
         d x (q - 8) is a minimum of -8 d and Q4_1's d x q + m are exact in fp16; Q4_K's d x sc x q - dmin x m
         has its two products per 32 weights rounded to fp16 (a relative 2^-11 of a scale). None for any other
         type."""
-        shape, qtype, begin, end = self._tensors[name]
-        if qtype.name not in EXACT_INT4:
+        blocks = self._exact_blocks(name, EXACT_INT4)
+        if blocks is None:
             return None
-        stored = np.asarray(self._map[begin:end])
-        self.digests[name] = checksum.digest(memoryview(stored))
-        self.exact.add(name)
-        codes, scales, mins = _INT4_BLOCKS[qtype.name](stored.reshape(-1, EXACT_INT4[qtype.name]))
-        n, groups = shape[0], shape[1] // 32
-        codes = codes.reshape(n, -1)
-        packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-        out = [torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(np.ascontiguousarray(
-            scales.reshape(n, groups))), torch.from_numpy(np.ascontiguousarray(mins.reshape(n, groups)))]
-        if self.architecture in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = self._heads[0] if ".q_proj." in name else self._heads[1]
-            out = [_unpermute(t, heads) for t in out]
-        return tuple(out)
+        codes, scales, mins = _INT4_BLOCKS[self.stored_type(name)](blocks)
+        codes = codes.reshape(self.shape(name)[0], -1)
+        return self._rows(name, codes[:, 0::2] | (codes[:, 1::2] << 4), scales, mins)
 
     def int8_codes(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A Q8_0 or Q5_0 tensor's codes as kiln's q8_0 format holds them, unchanged: (codes [N, K] int8, scales
         [N, K / 32] fp16), each weight scale x code (Q5_0's d x (q - 16)). None for any other type."""
-        shape, qtype, begin, end = self._tensors[name]
-        if qtype.name not in EXACT_INT8:
+        blocks = self._exact_blocks(name, EXACT_INT8)
+        if blocks is None:
             return None
-        stored = np.asarray(self._map[begin:end])
-        self.digests[name] = checksum.digest(memoryview(stored))
-        self.exact.add(name)
-        blocks = stored.reshape(-1, EXACT_INT8[qtype.name])
         scales = blocks[:, 0:2].copy().view(np.float16)[:, 0]
-        if qtype.name == "Q8_0":
+        if self.stored_type(name) == "Q8_0":
             codes = blocks[:, 2:].copy().view(np.int8)
             if (codes == -128).any():  # llama.cpp's quantizer writes -127..127; kiln's kernels take no -128
                 logger.warning("%s: %s holds Q8_0 codes of -128, read as -127", self.path.name, name)
@@ -286,9 +272,24 @@ class GgufFile:
             fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
             qs = blocks[:, 6:]
             codes = (np.concatenate([qs & 0x0F, qs >> 4], axis=1) | fifth).astype(np.int8) - np.int8(16)
-        n = shape[0]
-        out = [torch.from_numpy(np.ascontiguousarray(codes.reshape(n, -1))),
-               torch.from_numpy(np.ascontiguousarray(scales.reshape(n, -1)))]
+        return self._rows(name, codes, scales)
+
+    def _exact_blocks(self, name: str, types: dict[str, int]) -> np.ndarray | None:
+        """Tensor `name`'s stored blocks [blocks, bytes] where its type is one of `types` (type -> a block's bytes),
+        checksummed and counted as read exactly; else None."""
+        shape, qtype, begin, end = self._tensors[name]
+        if qtype.name not in types:
+            return None
+        stored = np.asarray(self._map[begin:end])
+        self.digests[name] = checksum.digest(memoryview(stored))
+        self.exact.add(name)
+        return stored.reshape(-1, types[qtype.name])
+
+    def _rows(self, name: str, *parts: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """The parts of tensor `name` read exactly (codes, scales, ...), each as [rows, -1] tensors in Hugging Face's
+        row order (a llama's query and key rows un-permuted)."""
+        rows = self.shape(name)[0]
+        out = [torch.from_numpy(np.ascontiguousarray(part.reshape(rows, -1))) for part in parts]
         if self.architecture in PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = self._heads[0] if ".q_proj." in name else self._heads[1]
             out = [_unpermute(t, heads) for t in out]

@@ -148,21 +148,17 @@ def _load_tensor(f: SafetensorsFile | GgufFile, name: str, model: CausalLM, para
     scheme = getattr(model, "quantize_on_load", None)
     if scheme is not None and scale is not None and f.dtype(name) != param.dtype:
         low = params.get(pname.removesuffix(".weight") + ".weight_min")
-        if scheme == "int4" and shard is None and isinstance(f, GgufFile) \
-                and scale.shape[1] * INT4_GROUP == f.shape(name)[1]:
-            exact = f.int4_codes(name)  # a Q4_0, Q4_1 or Q4_K tensor's codes are kiln's int4, as stored
-            if exact is not None:
-                for dest, value in zip((param, scale, low), exact):
-                    _check_shape(name, value, (rows, *dest.shape[1:]), f.path)
-                    dest.data[offset:offset + rows].copy_(value)
-                return []
-        if scheme == "q8_0" and shard is None and isinstance(f, GgufFile):
-            exact = f.int8_codes(name)  # a Q8_0 or Q5_0 tensor's codes are kiln's q8_0, as stored
-            if exact is not None:
-                for dest, value in zip((param, scale), exact):
-                    _check_shape(name, value, (rows, *dest.shape[1:]), f.path)
-                    dest.data[offset:offset + rows].copy_(value)
-                return []
+        exact = None  # a GGUF tensor whose codes the scheme holds as stored: Q4_0/Q4_1/Q4_K, Q8_0/Q5_0
+        if shard is None and isinstance(f, GgufFile):
+            if scheme == "int4" and scale.shape[1] * INT4_GROUP == f.shape(name)[1]:
+                exact = f.int4_codes(name)
+            elif scheme == "q8_0":
+                exact = f.int8_codes(name)
+        if exact is not None:
+            for dest, value in zip((param, scale, low), exact):  # (codes, scales[, minimums])
+                _check_shape(name, value, (rows, *dest.shape[1:]), f.path)
+                dest.data[offset:offset + rows].copy_(value)
+            return []
         _quantize_into(_read(f, name, shard, rows, f.path), scheme, model, param, scale, low, offset, rows, name,
                        f.path)
         return []
