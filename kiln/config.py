@@ -19,7 +19,7 @@ weight codes, which x86 CPUs without VNNI multiply about twice as fast as exact 
 (int8 weights with an fp16 scale per 32, llama.cpp's Q8_0, activations with a scale per 32; CPU only)."""
 NO_QUANTIZATION = "none"
 """`--quantization none`: full precision, also for a checkpoint whose stored codes would otherwise run as they
-are (a GGUF file of Q4_0 and Q4_1 projections runs as int4 unless told this)."""
+are (a quantized GGUF file runs in the scheme nearest its types unless told this)."""
 LM_HEAD_QUANTIZATIONS = ("int8", "w7a8")
 """`--lm-head-quantization` schemes (`kiln.models.lm_head`): the same two int8 forms."""
 

@@ -66,26 +66,17 @@ def register() -> bool:
     lowering(panel_linear.FLOAT)
     lowering(panel_linear.INT8)
 
-    @register_lowering(torch.ops.kiln.panel_int4_linear.default, type_promotion_kind=None)
-    def lower_int4(a, a_scale, weight, scales, mins):
-        kernel = panel_linear.INT4
-        layout = ir.FixedLayout(a.get_device(), torch.float32, [a.get_size()[0], weight.get_size()[0]])
-        return ir.TensorBox.create(CppKernel(kernel.op, kernel.source + kernel.wrapper_source, kernel.shim, layout,
-                                             realized((a, a_scale, weight, scales, mins))))
+    def blocked_lowering(kernel: PanelKernel):
+        """A kernel of int8 activations with block scales: (a, a_scale, weight, *the weight's group tensors)."""
+        def lower(a, a_scale, weight, *groups):
+            layout = ir.FixedLayout(a.get_device(), torch.float32, [a.get_size()[0], weight.get_size()[0]])
+            return ir.TensorBox.create(CppKernel(kernel.op, kernel.source + kernel.wrapper_source, kernel.shim, layout,
+                                                 realized((a, a_scale, weight, *groups))))
 
-    @register_lowering(torch.ops.kiln.panel_int8_block_linear.default, type_promotion_kind=None)
-    def lower_int8_block(a, a_scale, weight):
-        kernel = panel_linear.INT8_BLOCK
-        layout = ir.FixedLayout(a.get_device(), torch.float32, [a.get_size()[0], weight.get_size()[0]])
-        return ir.TensorBox.create(CppKernel(kernel.op, kernel.source + kernel.wrapper_source, kernel.shim, layout,
-                                             realized((a, a_scale, weight))))
+        register_lowering(getattr(torch.ops.kiln, kernel.op).default, type_promotion_kind=None)(lower)
 
-    @register_lowering(torch.ops.kiln.panel_int8_group_linear.default, type_promotion_kind=None)
-    def lower_int8_group(a, a_scale, weight, scales):
-        kernel = panel_linear.INT8_GROUP  # its source is the blocked kernel's: one splice serves both
-        layout = ir.FixedLayout(a.get_device(), torch.float32, [a.get_size()[0], weight.get_size()[0]])
-        return ir.TensorBox.create(CppKernel(kernel.op, kernel.source + kernel.wrapper_source, kernel.shim, layout,
-                                             realized((a, a_scale, weight, scales))))
+    for kernel in (panel_linear.INT4, panel_linear.INT8_BLOCK, panel_linear.INT8_GROUP):  # the last two: one source
+        blocked_lowering(kernel)
 
     def kernel_lowering(module, layout_of):
         """`module`'s op (a kernel module: SOURCE, WRAPPER_SOURCE, SHIM) lowered to its C++ kernel;

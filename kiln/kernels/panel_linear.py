@@ -28,8 +28,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.kernels import cpp_source
-from kiln.kernels import quant
+from kiln.kernels import cpp_source, quant
 from kiln.kernels.quant import ACT_BLOCK
 
 PANEL = 16
@@ -257,9 +256,7 @@ def panel_int8_group_linear(a: torch.Tensor, a_scale: torch.Tensor, weight: torc
     the int8 codes packed by `pack_int8_blocked`, `scales` their [N, K / ACT_BLOCK] fp16 packed by
     `pack_int4_groups`. This function is the reference (it unpacks them); a compiled piece runs the kernel
     (`INT8_BLOCK_SOURCE`'s grouped entry)."""
-    from kiln.kernels.quant import int8_block_mm
-
-    return int8_block_mm(a, a_scale, unpack_int8_blocked(weight), unpack_int4_groups(scales), torch.float32)
+    return quant.int8_block_mm(a, a_scale, unpack_int8_blocked(weight), unpack_int4_groups(scales), torch.float32)
 
 
 @panel_int8_group_linear.register_fake

@@ -293,7 +293,7 @@ def _rewrite(graph: fx.Graph, node: fx.Node, weight: fx.Node, candidate: GemmCan
             a, a_scale, _, scales, mins, out_dtype, bias = _int4_args(node)
             out = _epilogue(graph, candidate.emit(insert, a, weight, (a_scale, scales, mins)), None, None, bias,
                             out_dtype)
-        elif node.target is ops.int8_block_mm.default and node.args[3].meta["val"].dim() == 2:
+        elif node.target is ops.int8_block_mm.default and _int8_block_args(node)[3].meta["val"].dim() == 2:
             a, a_scale, _, b_scale, out_dtype, bias = _int8_block_args(node)
             out = _epilogue(graph, candidate.emit(insert, a, weight, (a_scale, b_scale)), None, None, bias, out_dtype)
         elif node.target is ops.int8_block_mm.default:

@@ -59,17 +59,13 @@ static inline void panel(const int32_t* __restrict au, const int32_t* __restrict
       for (int r = 0; r < R; ++r)
         acc[r] = dot(acc[r], _mm256_set1_epi32(au[s * R + r]), _mm256_sign_epi8(v, _mm256_set1_epi32(as[s * R + r])));
     }
-    if (GROUPED) {
-      const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(scales + b * PANEL)));
+    // the weight's 8 scales for this block, or 1 (x 1 is exact: the compiler drops it)
+    const __m256 scale = GROUPED ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(scales + b * PANEL)))
+                                 : _mm256_set1_ps(1.0f);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r)
-        sum[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_mul_ps(scale, _mm256_set1_ps(a_scale[b * R + r])),
-                                 sum[r]);
-    } else {
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r)
-        sum[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_set1_ps(a_scale[b * R + r]), sum[r]);
-    }
+    for (int r = 0; r < R; ++r)
+      sum[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_mul_ps(scale, _mm256_set1_ps(a_scale[b * R + r])),
+                               sum[r]);
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * N, sum[r]);
 }
