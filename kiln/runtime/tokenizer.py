@@ -161,9 +161,12 @@ class Tokenizer:
         return "tools" in self.chat_template
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, continue_final_message: bool = False,
+                            template_kwargs: dict | None = None) -> str:
         """The prompt text for a chat, rendered like transformers does (sandboxed Jinja, its `tojson`
-        and `strftime_now`); `tools` as JSON-schema function definitions, as transformers passes them."""
+        and `strftime_now`); `tools` as JSON-schema function definitions, as transformers passes them.
+        `continue_final_message`: the text ends inside the last message, which the model goes on writing;
+        `template_kwargs`: more variables the template reads (Qwen3's `enable_thinking`)."""
         from jinja2 import TemplateError
 
         if self._render is None:
@@ -179,12 +182,36 @@ class Tokenizer:
         if tools and not self.renders_tools:
             raise KilnError("this model's chat template does not render tools, so the model would never see "
                             "them: tool calling needs a template that does (Qwen2.5's, Hermes')")
+        if continue_final_message and add_generation_prompt:
+            raise KilnError("continue_final_message and add_generation_prompt cannot both be true: the prompt "
+                            "would end after the final message, not inside it; set add_generation_prompt false")
+        reserved = sorted(set(template_kwargs or ()) & TEMPLATE_VARIABLES)
+        if reserved:
+            raise KilnError(f"chat_template_kwargs: {', '.join(reserved)} come from the request itself, not "
+                            "from chat_template_kwargs")
         specials = {k: _token_text(self._config.get(k)) or "" for k in ("bos_token", "eos_token")}
         try:
-            return self._render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools or None,
-                                **specials)
+            text = self._render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools or None,
+                                **specials, **(template_kwargs or {}))
         except TemplateError as e:
             raise KilnError(f"the chat template refused these messages: {e}") from None
+        return _cut_after_final(text, messages[-1]) if continue_final_message else text
+
+
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+"""What `apply_chat_template` itself gives a template, which template kwargs may not replace."""
+
+
+def _cut_after_final(text: str, final: dict) -> str:
+    """The rendered chat up to the end of its final message's text (what transformers does for
+    `continue_final_message`): the template's end-of-turn after it is dropped."""
+    content = final.get("content") or ""
+    for wanted in (content, content.strip()):
+        at = text.rfind(wanted) if wanted else -1
+        if at >= 0:
+            return text[:at + len(wanted)]
+    raise KilnError("continue_final_message needs the final message's text in the rendered prompt: "
+                    "give that message some content (the template dropped it, or it is empty)")
 
 
 class IncrementalDetokenizer:

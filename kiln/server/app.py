@@ -126,9 +126,9 @@ def _server(request: Request) -> Server:
 async def health(request: Request) -> Response:  # 200 while the engine runs and admits, else 503 naming why
     engine = _server(request).engine
     if not engine.healthy:
-        return error(503, f"the engine is not running ({engine.error})", "server_error")
+        return error(503, f"the engine is not running ({engine.error})")
     if engine.closing is not None:
-        return error(503, engine.closing, "server_error", code="shutting_down")
+        return error(503, engine.closing)
     return KilnJSONResponse({"status": "ok"})
 
 

@@ -1,9 +1,10 @@
-"""Every failure as OpenAI's error shape: the error a route raises (`ServerError`), the exception
-handlers that give each failure its status, the error event of a stream that already started, and the
-API-key middleware that answers 401 before a body is read."""
+"""Every failure in one error shape, vLLM's (OpenAI's, with the status as its code): the error a route
+raises (`ServerError`), the exception handlers that give each failure its status, the error event of a
+stream that already started, and the API-key middleware that answers 401 before a body is read."""
 
 import hmac
 import logging
+from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,10 +22,9 @@ logger = logging.getLogger(__name__)
 class ServerError(Exception):
     """A 4xx the route decided on, raised from deep in request handling."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
-        self.status, self.kind, self.code, self.param = status, kind, code, param
+        self.status, self.param = status, param
 
 
 class KilnJSONResponse(JSONResponse):
@@ -34,10 +34,25 @@ class KilnJSONResponse(JSONResponse):
         return to_json(content)
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-          code: str | None = None) -> JSONResponse:
-    """OpenAI's error shape."""
-    return KilnJSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+_SDK_NAMES = {401: "AuthenticationError", 403: "PermissionDeniedError", 429: "RateLimitError"}
+"""The statuses whose type is the openai SDK's exception name rather than the status's phrase."""
+
+
+def error_type(status: int) -> str:
+    """vLLM's error type of a status: BadRequestError, NotFoundError, InternalServerError, ... (the openai
+    SDK's exception names, which are the statuses' phrases but for 401, 403 and 429)."""
+    name = _SDK_NAMES.get(status) or HTTPStatus(status).phrase.replace(" ", "").replace("-", "")
+    return name if name.endswith("Error") else name + "Error"
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """vLLM's error shape, the one every failure takes (a stream's error event too): the status again as
+    the code, and the type named for it."""
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": status}}
+
+
+def error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return KilnJSONResponse(error_body(status, message, param), status)
 
 
 def needs_key(path: str, scope: str, exempt: tuple[str, ...] = ()) -> bool:
@@ -65,7 +80,7 @@ class ApiKeyMiddleware:
             return await self.app(scope, receive, send)
         message = ("the API key is not valid" if given else
                    "no API key: send `Authorization: Bearer <key>` (this server requires one)")
-        response = error(401, message, code="invalid_api_key")
+        response = error(401, message)
         response.headers["WWW-Authenticate"] = "Bearer"
         await response(scope, receive, send)
 
@@ -75,14 +90,13 @@ async def _invalid(request: Request, exc: RequestValidationError) -> JSONRespons
 
 
 async def _http(request: Request, exc: HTTPException) -> JSONResponse:
-    kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
-    response = error(exc.status_code, str(exc.detail), kind)
+    response = error(exc.status_code, str(exc.detail))
     response.headers.update(exc.headers or {})  # a 405's Allow
     return response
 
 
 async def _server_error(request: Request, exc: ServerError) -> JSONResponse:
-    return error(exc.status, str(exc), exc.kind, param=exc.param, code=exc.code)
+    return error(exc.status, str(exc), param=exc.param)
 
 
 async def _kiln_error(request: Request, exc: KilnError) -> JSONResponse:
@@ -90,36 +104,36 @@ async def _kiln_error(request: Request, exc: KilnError) -> JSONResponse:
 
 
 async def _request_failed(request: Request, exc: RequestFailed) -> JSONResponse:
-    return error(400, str(exc)) if exc.client_error else error(500, str(exc), "server_error")
+    return error(400 if exc.client_error else 500, str(exc))
 
 
 async def _step_failed(request: Request, exc: StepFailed) -> JSONResponse:
-    return error(500, str(exc), "server_error")
+    return error(500, str(exc))
 
 
 async def _unavailable(request: Request, exc: EngineUnavailable) -> JSONResponse:
-    return error(503, str(exc), "server_error")
+    return error(503, str(exc))
 
 
 async def _overloaded(request: Request, exc: Overloaded) -> JSONResponse:
-    response = error(503, str(exc), "server_error", code="overloaded")
+    response = error(503, str(exc))
     response.headers["Retry-After"] = "1"
     return response
 
 
 async def _shutting_down(request: Request, exc: ShuttingDown) -> JSONResponse:
-    response = error(503, str(exc), "server_error", code="shutting_down")
+    response = error(503, str(exc))
     response.headers["Retry-After"] = "5"
     return response
 
 
 async def _timed_out(request: Request, exc: RequestTimedOut) -> JSONResponse:
-    return error(408, str(exc), "timeout_error")
+    return error(408, str(exc))
 
 
 async def _bug(request: Request, exc: Exception) -> JSONResponse:  # never expected: logged with its trace
     logger.exception("error serving %s %s", request.method, request.url.path)
-    return error(500, f"internal error: {type(exc).__name__}", "server_error")
+    return error(500, f"internal error: {type(exc).__name__}")
 
 
 HANDLERS = {RequestValidationError: _invalid, HTTPException: _http, ServerError: _server_error,
@@ -130,18 +144,20 @@ HANDLERS = {RequestValidationError: _invalid, HTTPException: _http, ServerError:
 
 
 def add_error_handlers(app: FastAPI) -> None:
-    """Every failure as OpenAI's error shape, with the status it deserves."""
+    """Every failure in the one error shape, with the status it deserves."""
     for kind, handler in HANDLERS.items():
         app.add_exception_handler(kind, handler)
 
 
 def stream_error(e: Exception) -> dict:
-    """The message and type of an error event, as the same failure would be answered before streaming."""
+    """A stream's error event: the body the same failure gets when it comes before the stream starts."""
     if isinstance(e, RequestTimedOut):
-        return {"message": str(e), "type": "timeout_error"}
+        return error_body(408, str(e))
     if isinstance(e, KilnError) or (isinstance(e, RequestFailed) and e.client_error):
-        return {"message": str(e), "type": "invalid_request_error"}
-    if isinstance(e, (StepFailed, EngineUnavailable, RequestFailed)):
-        return {"message": str(e), "type": "server_error"}
+        return error_body(400, str(e))
+    if isinstance(e, EngineUnavailable):
+        return error_body(503, str(e))
+    if isinstance(e, (StepFailed, RequestFailed)):
+        return error_body(500, str(e))
     logger.error("error in a response stream", exc_info=e)
-    return {"message": f"internal error: {type(e).__name__}: {e}", "type": "server_error"}
+    return error_body(500, f"internal error: {type(e).__name__}: {e}")

@@ -11,10 +11,12 @@ import json
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from kiln.server.errors import error_body
+
 
 class BodyLimit:
     """ASGI middleware: at most `max_bytes` of request body, all of it within `timeout` seconds of the
-    first read; past either, an answer in OpenAI's error shape (413 or 408) and the connection closed.
+    first read; past either, an answer in the server's error shape (413 or 408) and the connection closed.
     The app then sees the client as gone."""
 
     def __init__(self, app, max_bytes: int, timeout: float | None):
@@ -68,8 +70,7 @@ class BodyLimit:
 
     @staticmethod
     async def _refuse(send, status: int, message: str) -> None:
-        kind = "timeout_error" if status == 408 else "invalid_request_error"
-        body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}).encode()
+        body = json.dumps(error_body(status, message)).encode()
         await send({"type": "http.response.start", "status": status, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"connection", b"close")]})

@@ -15,6 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from kiln.errors import KilnError
 from kiln.runtime.sampler import SEED_MAX, SEED_MIN, SamplingParams
 from kiln.runtime.structured_output import StructuredOutput
+from kiln.runtime.tokenizer import TEMPLATE_VARIABLES
 
 class Strict(BaseModel):
     """A request object: strict types, and a key it does not know is refused (400 naming it)."""
@@ -359,11 +360,37 @@ class NamedToolChoice(Strict):
     function: NamedFunction
 
 
-class ChatCompletionRequest(SamplingRequest):
+_TEMPLATE_RULE = {"anyOf": [{"properties": {"continue_final_message": {"not": {"const": True}}}},
+                            {"required": ["add_generation_prompt"],
+                             "properties": {"add_generation_prompt": {"const": False}}}]}
+"""continue_final_message only with add_generation_prompt false (the prompt ends inside the final message)."""
+
+TemplateKwargs = Annotated[dict, Field(json_schema_extra={"propertyNames": {"not": {"enum": sorted(TEMPLATE_VARIABLES)}}},
+                                       description="more variables for the chat template (Qwen3's enable_thinking); "
+                                       "not the ones the request itself gives it")]
+
+
+class ChatTemplateFields(Strict):
+    """vLLM's fields that shape how the chat template renders the conversation."""
+
+    add_generation_prompt: bool = Field(True, description="end the prompt with the template's opening of the "
+                                        "assistant's turn")
+    continue_final_message: bool = Field(False, description="end the prompt inside the final message, which the "
+                                         "model goes on writing (needs add_generation_prompt false)")
+    chat_template_kwargs: TemplateKwargs | None = None
+
+    def template_options(self, **more) -> dict:
+        """`Tokenizer.apply_chat_template`'s keyword arguments for these fields (and `more` template variables)."""
+        kwargs = {**(self.chat_template_kwargs or {}), **{k: v for k, v in more.items() if v is not None}}
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message, "template_kwargs": kwargs}
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     model_config = ConfigDict(json_schema_extra={"allOf": [  # a required or named call is one more constraint
         _at_most_one({**_FREE, "tool_choice": {"enum": ["none", "auto", None]}},
                      {"tool_choice": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}),
-        _STREAM_OPTIONS_RULE, _unless("top_logprobs", _true("logprobs"))]})
+        _STREAM_OPTIONS_RULE, _unless("top_logprobs", _true("logprobs")), _TEMPLATE_RULE]})
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: integer(ge=1) | None = None
@@ -376,6 +403,16 @@ class ChatCompletionRequest(SamplingRequest):
         "the tools' schemas by the grammar engine")
     parallel_tool_calls: bool = Field(True, description="false: at most one call per answer (with tool_choice "
                                       "required or named, which a grammar holds)")
+    echo: bool = Field(False, description="vLLM's: an answer starts with the final message's text when that "
+                       "message is the assistant's")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="given to the chat template as `reasoning_effort`; templates that read it act on it")
+    store: bool | None = Field(None, description="no effect: kiln keeps no completions (OpenAI's stored "
+                               "completions); see docs/serving.md")
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        None, max_length=16, description="no effect: kiln keeps no completions; see docs/serving.md")
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
+        None, description="no effect: one tier here; see docs/serving.md")
 
     @property
     def tool_mode(self) -> str:
@@ -407,13 +444,17 @@ class ChatCompletionRequest(SamplingRequest):
         return self
 
 
+_CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools")
+
+
 class TokenizeRequest(Strict):
     """vLLM's /tokenize: a prompt, or a chat rendered by the chat template first."""
 
     model_config = ConfigDict(json_schema_extra={"anyOf": [
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": _NULL,
-                                                "add_generation_prompt": _NULL, "tools": _NULL}},
-        {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": _NULL}}]})
+                                                **{f: _NULL for f in _CHAT_ONLY}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": _NULL},
+         "allOf": [_TEMPLATE_RULE]}]})
 
     model: str | None = None
     prompt: str | None = None
@@ -421,6 +462,8 @@ class TokenizeRequest(Strict):
     add_special_tokens: bool | None = Field(None, description="default: true for a prompt, false for messages "
                                             "(the template writes them)")
     add_generation_prompt: bool | None = Field(None, description="messages only; default true")
+    continue_final_message: bool | None = Field(None, description="messages only; as in chat")
+    chat_template_kwargs: TemplateKwargs | None = Field(None, description="messages only; as in chat")
     tools: list[Tool] | None = Field(None, max_length=128, description="messages only")
     return_token_strs: bool = False
 
@@ -428,9 +471,15 @@ class TokenizeRequest(Strict):
     def _check(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give prompt or messages, one of them")
-        if self.prompt is not None and (self.add_generation_prompt is not None or self.tools is not None):
-            raise ValueError("add_generation_prompt and tools go with messages, not prompt")
+        given = [f for f in _CHAT_ONLY if getattr(self, f) is not None]
+        if self.prompt is not None and given:
+            raise ValueError(f"{', '.join(given)} go with messages, not prompt")
         return self
+
+    def template_options(self) -> dict:
+        return ChatTemplateFields(add_generation_prompt=self.add_generation_prompt is not False,
+                                  continue_final_message=bool(self.continue_final_message),
+                                  chat_template_kwargs=self.chat_template_kwargs).template_options()
 
 
 class DetokenizeRequest(Strict):
@@ -440,13 +489,13 @@ class DetokenizeRequest(Strict):
 
 class ErrorDetail(BaseModel):
     message: str
-    type: str
+    type: str = Field(description="named for the status: BadRequestError, NotFoundError, InternalServerError, ...")
     param: str | None = None
-    code: str | None = None
+    code: int = Field(description="the HTTP status")
 
 
 class ErrorResponse(BaseModel):
-    """OpenAI's error shape, for every status the server answers with other than 200."""
+    """vLLM's error shape, for every status the server answers with other than 200."""
 
     error: ErrorDetail
 

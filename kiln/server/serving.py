@@ -52,7 +52,7 @@ class Server:
     def check_model(self, name: str) -> None:
         if name != self.model_name:
             raise ServerError(404, f"the model `{name}` does not exist; this server serves `{self.model_name}`",
-                              "NotFoundError", "model_not_found")
+                              param="model")
 
     def max_tokens(self, prompt_len: int, asked: int | None) -> int:
         room = self.max_model_len - prompt_len
@@ -111,7 +111,8 @@ class Server:
 
     def chat_prompt(self, body: ChatCompletionRequest) -> Prompt:
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        text = self.tokenizer.apply_chat_template([m.for_template() for m in body.messages], tools=tools)
+        text = self.tokenizer.apply_chat_template([m.for_template() for m in body.messages], tools=tools,
+                                                  **body.template_options(reasoning_effort=body.reasoning_effort))
         return self.encode(text, add_special_tokens=False), text
 
     async def start(self, prompts: list[Prompt], request: SamplingRequest, max_tokens: int | None,
@@ -136,8 +137,8 @@ class Server:
             self.check_model(body.model)
         if body.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-            text = self.tokenizer.apply_chat_template([m.for_template() for m in body.messages],
-                                                      body.add_generation_prompt is not False, tools)
+            text = self.tokenizer.apply_chat_template([m.for_template() for m in body.messages], tools=tools,
+                                                      **body.template_options())
             special = bool(body.add_special_tokens)
         else:
             text, special = body.prompt, body.add_special_tokens is not False
@@ -243,6 +244,9 @@ class ChatChoices:
         self.server, self.body = server, body
         self.tools = bool(body.tools) and body.tool_mode != "none"
         self.parsers: dict[int, tool_calls.ToolCallParser] = {}
+        final = body.messages[-1]
+        self.echo = final.text() if body.echo and final.role == "assistant" else ""
+        """What each answer starts with (vLLM's chat `echo`): the final message's text, if it is the assistant's."""
 
     def logprobs(self, out: RequestOutput, first: int) -> dict | None:
         if not self.body.logprobs:
@@ -274,15 +278,15 @@ class ChatChoices:
         return {"index": index, "delta": delta, "logprobs": self.logprobs(out, toks), **self.finish(out, called)}
 
     def roles(self, head: dict) -> list[dict]:
-        """The first event of each choice: its role."""
-        return [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                      "finish_reason": None}]} for i in range(self.body.n)]
+        """The first event of each choice: its role (and the echoed text)."""
+        return [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": self.echo},
+                                      "logprobs": None, "finish_reason": None}]} for i in range(self.body.n)]
 
     def message(self, out: RequestOutput) -> tuple[dict, bool]:
         if not self.tools:
-            return {"role": "assistant", "content": out.text}, False
+            return {"role": "assistant", "content": self.echo + out.text}, False
         content, calls = tool_calls.parse(out.text)
-        message = {"role": "assistant", "content": content}
+        message = {"role": "assistant", "content": self.echo + (content or "") if self.echo else content}
         if calls:
             message["tool_calls"] = calls
         return message, bool(calls)
@@ -378,7 +382,7 @@ def event_stream(streams: list[RequestStream], head: dict, choice: Callable[[int
                 if len(out.text) > chars or out.finished:
                     yield _sse(with_usage({**head, "choices": [choice(index, out, chars, toks)]}, generated))
         except Exception as e:  # noqa: BLE001 - whatever it is, the client gets an event, not a cut stream
-            yield _sse({"error": {**stream_error(e), "param": None, "code": None}})
+            yield _sse(stream_error(e))
             yield "data: [DONE]\n\n"
             return
         if options and options.include_usage:

@@ -3,6 +3,7 @@ the text (a 4 MB prompt used to be tokenized whole before its 400)."""
 
 import pytest
 
+from kiln.errors import KilnError
 from kiln.models.demo import train_tokenizer
 from kiln.runtime.tokenizer import EXACT_CHARS_PER_TOKEN, Tokenizer, TooManyTokens
 
@@ -52,3 +53,38 @@ def test_a_long_text_is_refused_from_a_prefix(tok):
         tok.encode(text, max_tokens=limit)
     assert tok.encoded == [exact]
     assert e.value.at_least and limit < e.value.count <= len(tok.encode(text))
+
+
+THINKING_TEMPLATE = (  # Qwen3's way with enable_thinking, in short
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and enable_thinking is false %}"
+    "<think></think>{% endif %}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_tok(tmp_path_factory) -> Tokenizer:
+    root = tmp_path_factory.mktemp("chat")
+    train_tokenizer().save(str(root / "tokenizer.json"))
+    (root / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    return Tokenizer(root)
+
+
+def test_template_kwargs_reach_the_template_and_cannot_replace_its_own(chat_tok):
+    chat = [{"role": "user", "content": "hi"}]
+    assert chat_tok.apply_chat_template(chat) == "<|user|>hi<|end|><|assistant|>"
+    assert chat_tok.apply_chat_template(chat, template_kwargs={"enable_thinking": False}).endswith(
+        "<|assistant|><think></think>")
+    with pytest.raises(KilnError, match="add_generation_prompt come from the request itself"):
+        chat_tok.apply_chat_template(chat, template_kwargs={"add_generation_prompt": False})
+
+
+def test_continue_final_message_ends_the_prompt_inside_it(chat_tok):
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Paris is "}]
+    assert chat_tok.apply_chat_template(chat, add_generation_prompt=False, continue_final_message=True) == \
+        "<|user|>hi<|end|><|assistant|>Paris is "
+    assert chat_tok.apply_chat_template(chat, add_generation_prompt=False).endswith("Paris is <|end|>")
+    with pytest.raises(KilnError, match="cannot both be true"):
+        chat_tok.apply_chat_template(chat, continue_final_message=True)
+    with pytest.raises(KilnError, match="needs the final message's text"):
+        chat_tok.apply_chat_template([*chat, {"role": "assistant", "content": ""}], add_generation_prompt=False,
+                                     continue_final_message=True)

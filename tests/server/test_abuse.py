@@ -115,10 +115,10 @@ def test_a_failure_in_one_request_fails_it_alone(server, alone, seed, stream):
     if stream:
         events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
         assert response.text.rstrip().endswith("data: [DONE]")
-        assert events[-1]["error"]["type"] == "server_error" and "Injected" in events[-1]["error"]["message"]
+        assert events[-1]["error"]["type"] == "InternalServerError" and "Injected" in events[-1]["error"]["message"]
     else:
         assert response.status_code == 500, response.text
-        assert response.json()["error"]["type"] == "server_error" and "Injected" in response.json()["error"]["message"]
+        assert response.json()["error"]["type"] == "InternalServerError" and "Injected" in response.json()["error"]["message"]
 
 
 def test_every_token_masked_is_refused_alone(server, alone):

@@ -190,6 +190,41 @@ def test_a_message_name_reaches_the_chat_template(base):
     assert named.startswith("User (alice): hi") and tokens() != tokens(name="alice")
 
 
+def test_vllms_chat_template_fields_shape_the_prompt(base):
+    chat = [{"role": "user", "content": "Where is Paris?"}, {"role": "assistant", "content": "Paris is in"}]
+
+    def tokens(**fields) -> list[int]:
+        return httpx.post(base + "/tokenize", json={"model": MODEL, "messages": chat, **fields}).json()["tokens"]
+
+    def prompt(**fields) -> str:
+        return httpx.post(base + "/detokenize", json={"tokens": tokens(**fields)}).json()["prompt"]
+
+    assert prompt().endswith("Assistant: Paris is in\nAssistant:")
+    assert prompt(add_generation_prompt=False).endswith("Assistant: Paris is in\n")
+    continued = {"add_generation_prompt": False, "continue_final_message": True}
+    assert prompt(**continued).endswith("Assistant: Paris is in")
+    # vLLM's fields, and the platform fields code written for OpenAI sends (no effect here: docs/serving.md)
+    fields = {**continued, "messages": chat, "echo": True, "temperature": 0, "chat_template_kwargs": {
+        "enable_thinking": False}, "store": False, "metadata": {"run": "7"}, "service_tier": "auto",
+        "reasoning_effort": "low"}
+    answer = _chat(base, **fields).json()
+    content = answer["choices"][0]["message"]["content"]
+    assert content.startswith("Paris is in") and len(content) > len("Paris is in")
+    assert answer["usage"]["prompt_tokens"] == len(tokens(**continued))
+    streamed = [json.loads(line[6:]) for line in _chat(base, **fields, stream=True).text.splitlines()
+                if line.startswith("data: {")]
+    assert streamed[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Paris is in"}
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in streamed) == content
+    new_turn = _chat(base, messages=chat, echo=True).json()["choices"][0]["message"]["content"]
+    assert new_turn.startswith("Paris is in")  # the final message is not continued, and is echoed all the same
+    assert not _chat(base, messages=chat).json()["choices"][0]["message"]["content"].startswith("Paris is in")
+    for bad, message in (({"continue_final_message": True}, "cannot both be true"),
+                         ({"chat_template_kwargs": {"messages": []}}, "come from the request itself"),
+                         ({"service_tier": "gold"}, "service_tier")):
+        response = _chat(base, messages=chat, **bad)
+        assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+
+
 def test_stop_tokens_leave_their_text_out_unless_asked(client, eager):
     """vLLM's rule: the stop token's (or stop string's) text is not in the output unless
     include_stop_str_in_output; stop_reason says which one stopped it."""
