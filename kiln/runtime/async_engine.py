@@ -25,15 +25,27 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class _Choices:
+    """The sequences of one request (its `n` choices), for the metrics of the request as a whole."""
+
+    n: int
+    unfinished: int
+    most_generated: int = 0
+
+
+@dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
     prompt_tokens: int
+    max_tokens: int
+    choices: _Choices
     arrival: float = field(default_factory=time.perf_counter)
     last_token: float | None = None
+    first_token: float | None = None
     generated: int = 0
-    scheduled: bool = False
-    """Whether the scheduler has admitted it into the running batch yet (its queue time is counted)."""
+    scheduled: float | None = None
+    """When the scheduler first admitted it into the running batch (None: not yet)."""
 
 
 class EngineUnavailable(Exception):
@@ -113,7 +125,8 @@ class AsyncEngine:
         """Sequences admitted and unfinished at most (running + `max_queued` waiting); None: no limit."""
         self.request_timeout = request_timeout
         """Seconds a request may take from its arrival; None: no limit."""
-        self.metrics = metrics or Metrics(model_name, engine.config.block_size, engine.scheduler.allocator.num_blocks)
+        self.metrics = metrics or Metrics(model_name, engine.config.block_size, engine.scheduler.allocator.num_blocks,
+                                          engine.max_model_len)
         engine.scheduler.on_running = self._scheduled
         self._counted = self._scheduler_counts()
         """The scheduler's counters as last exported (an engine that ran before this one is not counted)."""
@@ -169,9 +182,11 @@ class AsyncEngine:
         """Queue one request from the event loop (see `add_all`)."""
         return (await self.add_all([(prompt_token_ids, params, prompt)]))[0]
 
-    async def add_all(self, requests: list[tuple[list[int], SamplingParams, str | None]]) -> list[RequestStream]:
+    async def add_all(self, requests: list[tuple[list[int], SamplingParams, str | None]], n: int = 1
+                      ) -> list[RequestStream]:
         """Queue requests from the event loop, all or none: bad input raises KilnError here, before any
-        runs. They are checked on a worker thread (a long prompt, a grammar to compile), never on the loop."""
+        runs. They are checked on a worker thread (a long prompt, a grammar to compile), never on the loop.
+        Each `n` in a row are the choices of one client request (what its metrics count as one)."""
 
         def validate() -> None:
             for ids, params, _ in requests:
@@ -185,9 +200,11 @@ class AsyncEngine:
         self.admit(len(requests))
         loop, streams = asyncio.get_running_loop(), []
         deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
-        for ids, params, prompt in requests:
+        for i, (ids, params, prompt) in enumerate(requests):
             request_id = uuid.uuid4().hex
-            stream = _Stream(loop, asyncio.Queue(), len(ids))
+            if i % n == 0:
+                choices = _Choices(n, n)
+            stream = _Stream(loop, asyncio.Queue(), len(ids), params.max_tokens, choices)
             self._streams[request_id] = stream
             self._inbox.put(("add", request_id, list(ids), params, prompt))
             streams.append(RequestStream(self, request_id, stream.outputs, deadline))
@@ -253,6 +270,7 @@ class AsyncEngine:
                     self.feed.publish(self._applied)
                 self._applied = []
                 outputs = self.engine.step()
+                self.metrics.step(self.engine.step_tokens)
             except Exception as e:  # the batch's forward: a bug or an out-of-memory
                 logger.exception("engine step failed")
                 if self.feed is None:  # fail the step's requests only, and go on serving the rest
@@ -318,9 +336,17 @@ class AsyncEngine:
             return
         self.metrics.token(now - stream.arrival, None if stream.last_token is None else now - stream.last_token)
         stream.last_token = now
+        stream.first_token = stream.first_token or now
         stream.generated += 1
         if out.finished:
-            self.metrics.finished(out.finish_reason, now - stream.arrival, stream.prompt_tokens, stream.generated)
+            admitted = stream.scheduled or stream.arrival
+            self.metrics.finished(out.finish_reason, now - stream.arrival, stream.prompt_tokens, stream.generated,
+                                  stream.first_token - admitted, now - stream.first_token, stream.max_tokens)
+            choices = stream.choices
+            choices.unfinished -= 1
+            choices.most_generated = max(choices.most_generated, stream.generated)
+            if choices.unfinished == 0:
+                self.metrics.request_finished(choices.n, choices.most_generated)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         last = isinstance(item, BaseException) or item.finished  # popped in one step: `abort` pops on other threads
@@ -335,9 +361,9 @@ class AsyncEngine:
     def _scheduled(self, seq: Sequence) -> None:
         """The scheduler moved `seq` from waiting to running (on the engine thread, inside the step)."""
         stream = self._streams.get(seq.request_id)
-        if stream is not None and not stream.scheduled:  # a preempted request's return is not queue time
-            stream.scheduled = True
-            self.metrics.scheduled(time.perf_counter() - stream.arrival)
+        if stream is not None and stream.scheduled is None:  # a preempted request's return is not queue time
+            stream.scheduled = time.perf_counter()
+            self.metrics.scheduled(stream.scheduled - stream.arrival)
 
     def _scheduler_counts(self) -> tuple[int, int, int]:
         scheduler = self.engine.scheduler

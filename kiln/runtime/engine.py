@@ -117,6 +117,8 @@ class Engine:
         """On CUDA, computes structured-output masks while the GPU runs the step (created on first use)."""
         self._prompts: dict[str, str | None] = {}
         self._ids = itertools.count()
+        self.step_tokens = 0
+        """The tokens the last step's batch ran (prefill chunks and decodes)."""
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -188,6 +190,7 @@ class Engine:
         prompt, adjusting or masking its logits, sampling, its grammar, detokenizing, stop checks) ends
         that request alone with finish reason "error"; only a failure of the batch's forward raises."""
         batch = self.scheduler.schedule()
+        self.step_tokens = sum(batch.num_tokens)
         if not batch.seqs:
             if self.has_unfinished():
                 raise KilnError("the scheduler could place no request in the KV cache: raise kv_cache_memory_bytes "

@@ -14,30 +14,67 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401  (re-exported for the server)
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
-TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+"""vLLM's buckets of the time to the first token."""
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+"""vLLM's buckets between tokens, and four below its 10 ms (a small model's CPU decode)."""
+REQUEST_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+"""vLLM's buckets of a request's times (end to end, queued, prefill, decode, inference, up to 7,680 s), and five
+below its 0.3 s."""
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+"""vLLM's buckets of the tokens an engine step runs."""
+N_BUCKETS = (1, 2, 5, 10, 20)
+"""vLLM's buckets of a request's `n`."""
+
+
+def token_buckets(max_model_len: int | None) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to the model's context (vLLM's buckets of a request's token counts)."""
+    top, buckets, scale = max_model_len or 100_000, [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > top:
+                return tuple(buckets)
+            buckets.append(step * scale)
+        scale *= 10
 
 
 class Metrics:
-    def __init__(self, model_name: str = "kiln", block_size: int | None = None, num_blocks: int | None = None) -> None:
+    def __init__(self, model_name: str = "kiln", block_size: int | None = None, num_blocks: int | None = None,
+                 max_model_len: int | None = None) -> None:
         self.registry = r = CollectorRegistry()
         m = ["model_name"]
         self.model_name = model_name
+        tokens = token_buckets(max_model_len)
         self.requests = Counter("kiln_requests", "Finished requests, by finish reason", ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("kiln_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("kiln_generation_tokens", "Generated tokens", registry=r)
         self.time_to_first_token = Histogram("kiln_time_to_first_token_seconds", "From arrival to the first token",
-                                             buckets=LATENCY_BUCKETS, registry=r)
+                                             buckets=TTFT_BUCKETS, registry=r)
         self.inter_token_latency = Histogram("kiln_inter_token_latency_seconds", "Between a request's tokens",
-                                             buckets=LATENCY_BUCKETS, registry=r)
+                                             buckets=ITL_BUCKETS, registry=r)
         self.request_latency = Histogram("kiln_request_latency_seconds", "From arrival to the last token",
-                                         buckets=LATENCY_BUCKETS, registry=r)
+                                         buckets=REQUEST_BUCKETS, registry=r)
         self.running = Gauge("kiln_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("kiln_requests_waiting", "Requests queued for admission", registry=r)
         self.kv_cache_usage = Gauge("kiln_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use", registry=r)
         self.queue_time = Histogram("kiln_request_queue_time_seconds",
                                     "From arrival to the scheduler's first admission into the running batch",
-                                    buckets=LATENCY_BUCKETS, registry=r)
+                                    buckets=REQUEST_BUCKETS, registry=r)
+        self._twins = {  # (kiln's, vLLM's), observed together
+            name: (Histogram(f"kiln_{name}", text, buckets=buckets, registry=r),
+                   Histogram(f"vllm:{name}", text, m, buckets=buckets, registry=r))
+            for name, text, buckets in (
+                ("iteration_tokens_total", "Tokens per engine step (prefill chunks and decodes)", ITERATION_BUCKETS),
+                ("request_prefill_time_seconds", "From a request's admission to its first token", REQUEST_BUCKETS),
+                ("request_decode_time_seconds", "From a request's first token to its last", REQUEST_BUCKETS),
+                ("request_inference_time_seconds", "From a request's admission to its last token", REQUEST_BUCKETS),
+                ("request_params_n", "The n of each finished request (its choices)", N_BUCKETS),
+                ("request_params_max_tokens", "The max_tokens of each finished sequence", tokens),
+                ("request_max_num_generation_tokens", "The most tokens any choice of a finished request generated",
+                 tokens))}
         self.preemptions = Counter("kiln_num_preemptions", "Sequences preempted for want of KV blocks", registry=r)
         self.prefix_cache_queries = Counter("kiln_prefix_cache_queries",
                                             "Tokens of admitted sequences looked up in the prefix cache", registry=r)
@@ -57,23 +94,25 @@ class Metrics:
             "generation": Counter("vllm:generation_tokens", "Generation tokens processed", m, registry=r),
             "success": Counter("vllm:request_success", "Finished requests", m + ["finished_reason"], registry=r),
             "ttft": Histogram("vllm:time_to_first_token_seconds", "Time to first token", m,
-                              buckets=LATENCY_BUCKETS, registry=r),
+                              buckets=TTFT_BUCKETS, registry=r),
             "itl": Histogram("vllm:inter_token_latency_seconds", "Inter-token latency", m,
-                             buckets=LATENCY_BUCKETS, registry=r),
+                             buckets=ITL_BUCKETS, registry=r),
             "tpot": Histogram("vllm:time_per_output_token_seconds", "Time per output token (older name of the "
-                              "inter-token latency)", m, buckets=LATENCY_BUCKETS, registry=r),
+                              "inter-token latency)", m, buckets=ITL_BUCKETS, registry=r),
             "queue": Histogram("vllm:request_queue_time_seconds", "Time spent in WAITING phase for request", m,
-                               buckets=LATENCY_BUCKETS, registry=r),
+                               buckets=REQUEST_BUCKETS, registry=r),
             "e2e": Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", m,
-                             buckets=LATENCY_BUCKETS, registry=r),
+                             buckets=REQUEST_BUCKETS, registry=r),
             "request_prompt": Histogram("vllm:request_prompt_tokens", "Prompt tokens per finished request", m,
-                                        buckets=TOKEN_BUCKETS, registry=r),
+                                        buckets=tokens, registry=r),
             "request_generation": Histogram("vllm:request_generation_tokens", "Generated tokens per finished request",
-                                            m, buckets=TOKEN_BUCKETS, registry=r),
+                                            m, buckets=tokens, registry=r),
         }
         for name, metric in self._vllm.items():  # each series reads 0 before its first event, as in vLLM
             if name != "success":
                 metric.labels(model_name=model_name)
+        for _, vllm_twin in self._twins.values():
+            vllm_twin.labels(model_name=model_name)
         if block_size is not None:  # the routers' optional BlockSize, as vLLM reports it
             Gauge("vllm:cache_config_info", "Information of the KV-cache configuration",
                   ["block_size", "num_gpu_blocks"], registry=r).labels(str(block_size), str(num_blocks)).set(1)
@@ -101,9 +140,16 @@ class Metrics:
             self._v("itl").observe(since_last)
             self._v("tpot").observe(since_last)
 
+    def _observe(self, name: str, value: float) -> None:
+        kiln_twin, vllm_twin = self._twins[name]
+        kiln_twin.observe(value)
+        vllm_twin.labels(model_name=self.model_name).observe(value)
+
     def finished(self, reason: str, latency: float | None = None, prompt_tokens: int = 0,
-                 generation_tokens: int = 0) -> None:
-        """A request ended: `reason` is stop, length or abort (an abort has no latency recorded)."""
+                 generation_tokens: int = 0, prefill: float | None = None, decode: float | None = None,
+                 max_tokens: int | None = None) -> None:
+        """A request ended: `reason` is stop, length or abort (an abort has no latency recorded); `prefill`
+        from its admission to its first token and `decode` from there to its last, as vLLM times them."""
         self.requests.labels(reason).inc()
         self._v("success", finished_reason=reason).inc()
         if latency is not None:
@@ -111,6 +157,21 @@ class Metrics:
             self._v("e2e").observe(latency)
             self._v("request_prompt").observe(prompt_tokens)
             self._v("request_generation").observe(generation_tokens)
+        if prefill is not None and decode is not None:
+            self._observe("request_prefill_time_seconds", prefill)
+            self._observe("request_decode_time_seconds", decode)
+            self._observe("request_inference_time_seconds", prefill + decode)
+        if max_tokens is not None:
+            self._observe("request_params_max_tokens", max_tokens)
+
+    def request_finished(self, n: int, most_generated: int) -> None:
+        """All `n` choices of one request ended (none aborted), the longest after `most_generated` tokens."""
+        self._observe("request_params_n", n)
+        self._observe("request_max_num_generation_tokens", most_generated)
+
+    def step(self, tokens: int) -> None:
+        """The engine ran a step of `tokens` tokens."""
+        self._observe("iteration_tokens_total", tokens)
 
     def scheduled(self, queue_time: float) -> None:
         """A request entered the running batch for the first time, `queue_time` seconds after its arrival."""

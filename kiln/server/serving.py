@@ -122,7 +122,7 @@ class Server:
         limits = [self.max_tokens(len(ids), max_tokens) for ids, _ in prompts]
         requests = [(ids, request.sampling_params(limit, logprobs, i, prompt_logprobs, structured), text)
                     for (ids, text), limit in zip(prompts, limits) for i in range(count or request.n)]
-        return await self.engine.add_all(requests)
+        return await self.engine.add_all(requests, count or request.n)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

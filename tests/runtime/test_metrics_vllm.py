@@ -117,3 +117,40 @@ def test_lora_requests_info_reads_as_vllm_without_adapters():
     m = Metrics(MODEL)
     labels = {"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}
     assert before <= _get(m, "vllm:lora_requests_info", labels) <= time.time()
+
+
+def test_request_phases_parameters_and_step_sizes(eager):
+    """vLLM v1's series its Grafana board reads: each step's token count, each request's prefill, decode and
+    inference times, its n, max_tokens and longest choice; latency buckets up to vLLM's 7,680 s."""
+    engine = AsyncEngine(eager.engine, model_name=MODEL)
+    m = engine.metrics
+    prompts = [eager.tokenizer.encode(p) for p in PROMPTS[:2]]
+    params = SamplingParams(max_tokens=6, temperature=0)
+
+    async def main() -> list:  # one request of two choices, one of one
+        two = await engine.add_all([(prompts[0], params, None), (prompts[0], params, None)], n=2)
+        one = await engine.add_all([(prompts[1], params, None)])
+        return [[out async for out in stream][-1] for stream in two + one]
+
+    engine.start()
+    try:
+        outs = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    generated = [len(o.token_ids) for o in outs]
+    for name in ("iteration_tokens_total", "request_prefill_time_seconds", "request_params_n"):
+        assert _get(m, f"kiln_{name}_sum") == _get(m, f"vllm:{name}_sum", LABEL), name
+    # every prompt token runs once (the two choices' prompts each: no full block to share), and every generated
+    # token but each sequence's last
+    ran = sum(len(prompts[0 if i < 2 else 1]) + g - 1 for i, g in enumerate(generated))
+    assert _get(m, "vllm:iteration_tokens_total_sum", LABEL) == ran
+    assert 0 < _get(m, "vllm:iteration_tokens_total_count", LABEL) <= ran
+    assert _get(m, "vllm:request_params_n_count", LABEL) == 2 and _get(m, "vllm:request_params_n_sum", LABEL) == 3
+    assert _get(m, "vllm:request_max_num_generation_tokens_sum", LABEL) == max(generated[:2]) + generated[2]
+    assert _get(m, "vllm:request_params_max_tokens_sum", LABEL) == 3 * 6
+    prefill, decode, inference = (_get(m, f"vllm:request_{phase}_time_seconds_sum", LABEL)
+                                  for phase in ("prefill", "decode", "inference"))
+    assert _get(m, "vllm:request_decode_time_seconds_count", LABEL) == 3 and prefill > 0 and decode > 0
+    assert inference == pytest.approx(prefill + decode)
+    assert inference <= _get(m, "vllm:e2e_request_latency_seconds_sum", LABEL)
+    assert _get(m, "vllm:e2e_request_latency_seconds_bucket", {**LABEL, "le": "7680.0"}) == 3
