@@ -342,8 +342,8 @@ class FunctionDefinition(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict | None = Field(None, description="a JSON schema of the arguments (default: any object)")
-    strict: bool | None = Field(None, description="true: calls match the parameters schema; kiln holds "
-                                "required and named calls to it (a grammar), and refuses strict in auto mode")
+    strict: bool | None = Field(None, description="true: calls match the parameters schema, which a grammar "
+                                "holds (in auto mode, each call the model opens)")
 
 
 class Tool(Strict):
@@ -401,8 +401,8 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="default: auto with tools, none without; required and named calls are held to "
         "the tools' schemas by the grammar engine")
-    parallel_tool_calls: bool = Field(True, description="false: at most one call per answer (with tool_choice "
-                                      "required or named, which a grammar holds)")
+    parallel_tool_calls: bool = Field(True, description="false: at most one call per answer, which a grammar "
+                                      "holds")
     echo: bool = Field(False, description="vLLM's: an answer starts with the final message's text when that "
                        "message is the assistant's")
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
@@ -433,14 +433,6 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
             if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
                 raise ValueError(f"tool_choice names `{self.tool_choice.function.name}`, which is not among the "
                                  f"tools ({', '.join(names)})")
-        if self.tool_mode == "auto":  # the model's own calls are parsed as written: nothing holds them
-            if not self.parallel_tool_calls:
-                raise ValueError("parallel_tool_calls: false is held only with tool_choice required or a named "
-                                 "function (auto parses the calls as the model writes them)")
-            strict = next((t.function.name for t in self.tools if t.function.strict), None)
-            if strict is not None:
-                raise ValueError(f"tools: `{strict}` is strict, which kiln holds only with tool_choice required or "
-                                 "a named function (auto parses the calls as the model writes them)")
         return self
 
 

@@ -75,13 +75,14 @@ class Server:
             _cap("choices", len(choices or ()), c.max_choices, "--max-choices")
 
     def constraint(self, body: SamplingRequest) -> StructuredOutput | None:
-        """The request's output constraint (a required or named tool call's among them), within the size
+        """The request's output constraint (the tool calls' among them), within the size
         cap (llguidance's compile time grows faster than the grammar)."""
         found = body.structured_output()
         if isinstance(body, ChatCompletionRequest) and body.tools:
             calls = tool_calls.constraint(body.tools, body.tool_mode, body.parallel_tool_calls)
             if calls is not None and found is not None:
-                raise KilnError("tool_choice required or named constrains the output already: leave out "
+                raise KilnError("the tool calls' grammar (tool_choice required or named, or in auto mode a strict "
+                                "tool or parallel_tool_calls false) constrains the output already: leave out "
                                 "response_format, structured_outputs and guided_*")
             found = calls or found
         if found is not None:

@@ -2,7 +2,9 @@
 shows the model its tools, the model answers `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
 blocks, and they are parsed here into OpenAI's `tool_calls`, whole or as stream deltas. With
 `tool_choice` required or a named function, a grammar (llguidance's Lark with `%json`) holds the answer
-to such blocks whose JSON matches the chosen tools' schemas, so the call always parses."""
+to such blocks whose JSON matches the chosen tools' schemas, so the call always parses; in auto mode
+with a strict tool or `parallel_tool_calls` false, a grammar lets text through and holds each call the
+model opens (at most one without parallel calls)."""
 
 import json
 import re
@@ -17,18 +19,26 @@ _BLOCK = re.compile(r"\s*<tool_call>(.*?)</tool_call>", re.S)
 
 
 def constraint(tools: list[Tool], mode: str, parallel: bool) -> StructuredOutput | None:
-    """The grammar of a required (`mode` "required") or named call; None for auto and none."""
-    if mode in ("auto", "none"):
+    """The grammar of a required (`mode` "required") or named call; in auto mode, where a tool is strict
+    or `parallel` is false, the grammar of free text in which each call, once the model opens one, is
+    held to the tools' schemas (vLLM's structural tags); None otherwise (the calls parsed as written)."""
+    if mode == "none" or (mode == "auto" and parallel and not any(t.function.strict for t in tools)):
         return None
-    chosen = [t for t in tools if mode == "required" or t.function.name == mode]
+    chosen = [t for t in tools if mode in ("required", "auto") or t.function.name == mode]
     defs: dict = {}
     calls = [_call_schema(t, defs) for t in chosen]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if defs:
         schema["$defs"] = defs
     schema["x-guidance"] = JSON_STYLE
-    many = "+" if parallel and mode == "required" else ""
-    grammar = f'start: call{many}\ncall: "{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}\\n"'
+    body = f'"\\n" %json {json.dumps(schema)} "\\n{CLOSE}"'
+    if mode == "auto":  # text, the calls opened in it, text that opens none after them
+        calls_then_text = "call* TEXT" if parallel else "TEXT | call TEXT"
+        grammar = (f"start: {calls_then_text}\ncall: opened {body}\nopened[lazy]: /(?s:.*){OPEN}/\n"
+                   f"TEXT: /(?s:.*)/ & ~/(?s:.*){OPEN}(?s:.*)/")
+    else:
+        many = "+" if parallel and mode == "required" else ""
+        grammar = f'start: call{many}\ncall: "{OPEN}" {body} "\\n"'
     return StructuredOutput("grammar", grammar)
 
 

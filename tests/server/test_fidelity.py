@@ -98,6 +98,18 @@ def test_required_tool_calls_match_a_tool_and_stream_as_deltas(client):
     assert reasons[-1] == "tool_calls"
 
 
+def test_strict_tools_in_auto_mode_are_answered(client):
+    """openai-agents' default `@function_tool` is strict, sent in auto mode (so is `pydantic_function_tool`'s):
+    answered, with any call the model opens held to its schema (tests/server/test_tool_calls.py), not refused."""
+    strict = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    for parallel in (True, False):
+        choice = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather?"}],
+                                                tools=[strict, CLOCK], max_tokens=12, parallel_tool_calls=parallel,
+                                                temperature=0).choices[0]
+        assert choice.finish_reason in ("stop", "length") and choice.message.content
+        assert len(choice.message.tool_calls or []) <= 1 or parallel
+
+
 def test_auto_tool_calls_are_parsed_from_the_answer(base):
     """auto: the answer's <tool_call> blocks become tool_calls and the text before them content (a
     regex stands in for a model that chose to call), whole and streamed."""
@@ -131,8 +143,8 @@ def _events(response: httpx.Response) -> list[dict]:
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "x": 1}}]},
      "tools.0.function.x"),
     ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "`f` is strict"),
-    ({"tools": [WEATHER], "parallel_tool_calls": False}, "parallel_tool_calls: false is held only"),
+    ({"tools": [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}], "guided_regex": "a+"},
+     "constrains the output already"),
 ])
 def test_bad_tool_requests_are_400s_naming_the_problem(base, fields, message):
     response = _chat(base, **fields)

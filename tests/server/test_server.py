@@ -454,11 +454,12 @@ def test_malformed_requests_are_4xx(served):
 
 UNSTATABLE = ("leaves no room to generate", "exceed the model's context", "/tokenize counts at most", "must be >= n",
               "seed must be",
-              "is held only with tool_choice required", "which kiln holds only with tool_choice required")
+              "constrains the output already")
 """Refusals of schema-valid requests that the schema does not state: a prompt's length in tokens against the
-context (a text's against 4 contexts for /tokenize) and one number against another (best_of >= n, seed + n - 1 within 64 bits), which JSON Schema
-cannot; and strict tools or parallel_tool_calls false in auto mode, which it can but schemathesis's
-canonicalizer then gives up on the chat schema (over 32 branches)."""
+context (a text's against 4 contexts for /tokenize) and one number against another (best_of >= n, seed + n - 1
+within 64 bits), which JSON Schema cannot; and an output constraint beside the grammar that strict tools or
+parallel_tool_calls false bring in auto mode, which it can but schemathesis's canonicalizer then gives up on the
+chat schema (over 32 branches)."""
 
 
 def test_schemathesis_checks_pass(served, tmp_path):
