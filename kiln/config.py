@@ -226,6 +226,9 @@ class ServerConfig:
     max_grammar_bytes: int = 64 * 2**10
     """Largest output constraint (JSON schema, regex, grammar, or all choices together), in UTF-8 bytes:
     compiling one takes time that grows faster than its size."""
+    pooling: Literal["last", "mean"] = "last"
+    """How /v1/embeddings pools a prompt's final hidden states: the last token's (vLLM's default for
+    decoder models) or their mean; L2-normalized either way."""
     api_key: str | None = None
     """Clients must send `Authorization: Bearer <api_key>` (else 401); None: anyone may."""
     api_key_scope: Literal["v1", "all"] = "v1"

@@ -271,6 +271,17 @@ class LLM:
             raise
         return results
 
+    def embed(self, prompts: str | list[str] | list[list[int]], pooling: str = "last") -> list[list[float]]:
+        """Each prompt's embedding: the model's final hidden states pooled ("last" token, vLLM's default for
+        decoder models, or "mean") and L2-normalized. The same compiled program runs them; nothing is sampled."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        outs = self.generate(prompts, SamplingParams(max_tokens=1, pooling=pooling))
+        failed = next((o for o in outs if o.embedding is None), None)
+        if failed is not None:
+            raise KilnError(f"embedding a prompt failed: {failed.error}")
+        return [o.embedding for o in outs]
+
     def _encode(self, prompt: str) -> list[int]:
         """A prompt's ids, refused as soon as it is known not to fit (a long text is not tokenized whole)."""
         limit = self.engine.max_model_len

@@ -58,6 +58,19 @@ def test_each_family_is_compared_with_its_own_full_precision():
     assert table["llama.cpp-q8_0"]["vs_full_precision"] == 0.05 and "vs_full_precision" not in table["kiln-fp32"]
 
 
+def test_kiln_tokens_are_compared_with_llama_cpps_text_as_far_as_it_went():
+    class Letters:  # one character a token
+        def decode(self, tokens):
+            return "".join(chr(t) for t in tokens)
+
+    kiln = [[ord(c) for c in " Paris."], [ord(c) for c in " 100 C"], [ord(c) for c in " red"]]
+    llama = [" Paris.", " 100 F", " re"]  # the third stopped at end-of-sequence
+    assert quality.text_agreement(kiln, llama, Letters()) == {"identical": 2, "prompts": 3,
+                                                             "mean_tokens_before_difference": 5.33}
+    runs = {"kiln-gguf": {"logprobs": [0.0], "greedy": kiln}, "llama.cpp-gguf": {"perplexity": 1.0, "greedy_text": llama}}
+    assert quality.summarize(runs, Letters())["kiln-gguf"]["greedy_vs_llama_cpp"]["identical"] == 2
+
+
 Q4_K_M_INCREASE = 0.055
 """llama.cpp 0.3.36's Q4_K_M of the real model over its F32, by this protocol on the whole text (21.26 against
 20.155, `benchmarks/quality.py`): what kiln's 4-bit may lose at most."""
@@ -84,12 +97,13 @@ def reference(real_model):
     tokenizer = Tokenizer(real_model)
     chunks = quality.windows(tokenizer.encode(quality.TEXT.read_text()), 256, limit=GATE_WINDOWS)
     prompts = [tokenizer.encode(p) for p in quality.PROMPTS]
-    return tokenizer, chunks, prompts, quality.hf_run(real_model, chunks, prompts, 256)
+    return tokenizer, chunks, prompts, quality.hf_run(real_model, chunks, prompts, 256, new_tokens=32)
 
 
 def test_kiln_is_transformers_on_the_real_model(real_model, reference, tmp_path):
     tokenizer, chunks, prompts, hf = reference
-    kiln = quality.kiln_run("kiln-eager", real_model, chunks[:3], prompts, 256, tmp_path, threads=None)
+    kiln = quality.kiln_run("kiln-eager", real_model, chunks[:3], prompts, 256, tmp_path, threads=None,
+                           new_tokens=32)
     assert kiln["greedy"] == hf["greedy"]
     assert tokenizer.decode(kiln["greedy"][0]).startswith(" Paris")
     assert len(kiln["logprobs"]) == 3 * 127

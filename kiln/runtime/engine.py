@@ -2,12 +2,14 @@
 applies stop conditions and hands back each request's progress. Not thread-safe: the server's
 `AsyncEngine` calls it from one thread."""
 
+import dataclasses
 import itertools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kiln.config import EngineConfig
 from kiln.errors import KilnError
@@ -49,6 +51,8 @@ class RequestOutput:
     stop_reason: str | int | None = None
     """The stop string or stop token id that ended the request (vLLM's field); None for EOS, a
     completed grammar, or a length limit."""
+    embedding: list[float] | None = None
+    """An embedding request's pooled, L2-normalized final hidden states (SamplingParams.pooling)."""
     error: Exception | None = None
     """Why the request failed (finish reason "error"): a KilnError when the request itself cannot go on
     (every token masked, a grammar llguidance gives up on), another exception for a failure inside
@@ -196,7 +200,9 @@ class Engine:
                 raise KilnError("the scheduler could place no request in the KV cache: raise kv_cache_memory_bytes "
                                "(--kv-cache-memory)")
             return []
-        rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)) if n == s.num_pending]
+        pooling = [i for i, s in enumerate(batch.seqs) if s.params.pooling is not None]
+        rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
+                if n == s.num_pending and s.params.pooling is None]
         scoring = [i for i, s in enumerate(batch.seqs)
                    if s.params.prompt_logprobs is not None and len(s.prompt_logprobs) < len(s.prompt_token_ids)]
         sampling = [batch.seqs[i] for i in rows]
@@ -206,20 +212,23 @@ class Engine:
             self._masks = self._masks or ThreadPoolExecutor(1, thread_name_prefix="kiln-grammar")
             masks = self._masks.submit(fill_masks, [sampling[j].matcher for j in guided], self.model_config.vocab_size)
         greedy = bool(sampling) and not guided and all(plain_greedy(s.params) for s in sampling)  # a prefill chunk samples none
-        logits, every, tokens = self.runner.execute(batch, rows, scoring, greedy)
+        logits, every, tokens, states = self.runner.execute(batch, rows, scoring, greedy, pooling)
         failed: dict[str, Exception] = {}
         for i, chunk in zip(scoring, every):
             try:
                 self._score_prompt(batch.seqs[i], chunk)
             except Exception as e:  # noqa: BLE001 - this request's failure, not the step's
                 failed.setdefault(batch.seqs[i].request_id, e)
+        for i, chunk in zip(pooling, states):
+            _pool(batch.seqs[i], chunk)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             self.scheduler.computed(seq, n)
+        embedded = [self._embedded(batch.seqs[i]) for i in pooling if batch.seqs[i].num_pending == 0]
         if tokens is not None:
             result = SampleResult.of(tokens.tolist())
         else:
             result = self._sample(sampling, guided, masks, logits, failed)
-        outputs = []
+        outputs = embedded
         for seq, token, logprob, top in zip(sampling, result.token_ids, result.logprobs, result.top_logprobs):
             if seq.request_id in failed:
                 continue
@@ -289,6 +298,12 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
         return self._output(seq, cut)
+
+    def _embedded(self, seq: Sequence) -> RequestOutput:
+        """End an embedding request whose prompt has run: its pooled hidden states, L2-normalized."""
+        pooled = seq.pooled / len(seq.prompt_token_ids) if seq.params.pooling == "mean" else seq.pooled
+        self.scheduler.finish(seq, "stop")
+        return dataclasses.replace(self._output(seq, None), embedding=F.normalize(pooled, dim=0).tolist())
 
     def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
         """End `seq` with finish reason "error" and free its blocks; its traceback is logged here, once."""
@@ -369,6 +384,16 @@ class Engine:
             prompt_ranks=list(seq.prompt_ranks) if seq.params.prompt_logprobs is not None else None,
             stop_reason=seq.stop_reason,
         )
+
+
+def _pool(seq: Sequence, hidden: torch.Tensor) -> None:
+    """Fold the final hidden states of the prompt tokens `seq` ran this step into its embedding: their
+    sum for mean pooling (restarted when a preempted sequence runs its prompt again), the last row for last."""
+    if seq.params.pooling == "last":
+        seq.pooled = hidden[-1]
+    else:
+        total = hidden.sum(0)
+        seq.pooled = total if seq.num_computed == 0 or seq.pooled is None else seq.pooled + total
 
 
 def plain_greedy(p: SamplingParams) -> bool:

@@ -61,17 +61,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, sample_rows: list[int], every_token_rows: Sequence[int] = (),
-                greedy: bool = False) -> tuple[torch.Tensor | None, list[torch.Tensor], torch.Tensor | None]:
+                greedy: bool = False, hidden_rows: Sequence[int] = ()
+                ) -> tuple[torch.Tensor | None, list[torch.Tensor], torch.Tensor | None, list[torch.Tensor]]:
         """Run the batch; return fp32 logits [len(sample_rows), vocab] at the last token of each
         listed sequence (by index into `batch.seqs`), for each of `every_token_rows` the logits at
-        every token it ran (for prompt logprobs), and None. With `greedy` (each listed sequence takes
-        the argmax of its raw logits) the first and last are swapped where `greedy_tokens` can tell:
-        None, then the argmax tokens."""
+        every token it ran (for prompt logprobs), None, and for each of `hidden_rows` the final hidden
+        states of every token it ran (for embeddings). With `greedy` (each listed sequence takes the
+        argmax of its raw logits) the first and third are swapped where `greedy_tokens` can tell: None,
+        then the argmax tokens."""
         input_ids, positions, meta = self.prepare(batch)
         hidden = self.forward(input_ids, positions, self.kv_caches, meta)
         last = meta.query_start_loc[1:].long() - 1
         starts = list(itertools.accumulate(batch.num_tokens, initial=0))
         every = [self.compute_logits(hidden[starts[r]:starts[r + 1]]) for r in every_token_rows]
+        states = [hidden[starts[r]:starts[r + 1]].float() for r in hidden_rows]
         sampled = hidden[last[sample_rows]]
         tokens = self.greedy_tokens(sampled) if greedy and self.greedy_tokens is not None else None
-        return (self.compute_logits(sampled) if tokens is None else None), every, tokens
+        return (self.compute_logits(sampled) if tokens is None else None), every, tokens, states

@@ -51,6 +51,10 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None
     """Constrain the output to a JSON schema, a regex, a choice or a grammar; the request stops when
     it is complete."""
+    pooling: str | None = None
+    """Embed the prompt instead of generating: the model's final hidden states pooled ("last": the last
+    token's; "mean": their average over the prompt) and L2-normalized, as vLLM pools decoder models, in
+    `RequestOutput.embedding`; no token is sampled."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -92,12 +96,19 @@ class SamplingParams:
             raise KilnError("logit_bias values must be in [-100, 100]")
         if any(not s for s in self.stop):
             raise KilnError("stop strings must be non-empty")
+        if self.pooling not in POOLINGS:
+            raise KilnError(f"pooling must be one of {', '.join(p for p in POOLINGS if p)}, got {self.pooling!r}")
+        if self.pooling is not None and (self.structured_output is not None or self.prompt_logprobs is not None):
+            raise KilnError("an embedding (pooling) generates nothing: it takes no structured output or "
+                            "prompt_logprobs")
         if self.structured_output is not None and self.min_tokens:
             raise KilnError("min_tokens cannot be combined with structured output: the grammar decides where the "
                             "output ends")
 
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+POOLINGS = (None, "last", "mean")
+"""`SamplingParams.pooling`'s values: None generates."""
 """The seeds a request may give (vLLM's range); torch's generator refuses some outside it."""
 
 GREEDY_BELOW = 1e-5

@@ -44,6 +44,8 @@ class Sequence:
     token has none)."""
     prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
     prompt_ranks: list[int | None] = field(default_factory=lambda: [None])
+    pooled: torch.Tensor | None = None
+    """An embedding request's pooled hidden states so far (their sum for "mean", the last row for "last")."""
     finish_reason: str | None = None
     detokenizer: IncrementalDetokenizer | None = None
     """The request's IncrementalDetokenizer (None without a tokenizer)."""
@@ -160,7 +162,8 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            cached = self.allocator.prefix_caching and seq.params.prompt_logprobs is None  # those need every position
+            cached = (self.allocator.prefix_caching and seq.params.prompt_logprobs is None
+                      and seq.params.pooling != "mean")  # those need every position
             if cached:
                 self._reuse_prefix(seq)
             n = min(seq.num_pending, budget)

@@ -31,9 +31,9 @@ from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.tokenizer import Tokenizer
 from kiln.server.errors import ApiKeyMiddleware, KilnJSONResponse, add_error_handlers, error, needs_key
 from kiln.server.http_limits import BodyLimit, guarded_protocol
-from kiln.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
-                                  TokenizeRequest)
-from kiln.server.serving import Server, chat, complete, off_loop, read_body
+from kiln.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                                  ErrorResponse, TokenizeRequest)
+from kiln.server.serving import Server, chat, complete, embed, off_loop, read_body
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,9 @@ def _add_routes(app: FastAPI) -> None:
                       openapi_extra=_body_schema(CompletionRequest))
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"], responses=GENERATION_RESPONSES,
                       openapi_extra=_body_schema(ChatCompletionRequest))
+    app.add_api_route("/v1/embeddings", embeddings, methods=["POST"], responses={
+        200: {"description": "each input's embedding", "content": {"application/json": {}}},
+        **_errors(400, 404, 405, 408, 413, 499, 500, 503)}, openapi_extra=_body_schema(EmbeddingRequest))
     app.add_api_route("/tokenize", tokenize, methods=["POST"], responses=_errors(400, 404, 405, 408, 413),
                       openapi_extra=_body_schema(TokenizeRequest))
     app.add_api_route("/detokenize", detokenize, methods=["POST"], responses=_errors(400, 404, 405, 408, 413),
@@ -158,6 +161,10 @@ async def chat_completions(request: Request) -> Response:  # as completions
     return await chat(_server(request), await read_body(request, ChatCompletionRequest), request)
 
 
+async def embeddings(request: Request) -> Response:  # each input's pooled final hidden states
+    return await embed(_server(request), await read_body(request, EmbeddingRequest), request)
+
+
 async def tokenize(request: Request) -> Response:  # vLLM's: text or a chat -> token ids
     server = _server(request)
     return KilnJSONResponse(await off_loop(server.tokenize, await read_body(request, TokenizeRequest)))
@@ -180,7 +187,7 @@ def _openapi(app: FastAPI, model_name: str, max_model_len: int, vocab_size: int,
             return app.openapi_schema
         schema = generate_schema()
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for body in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest):
+        for body in (CompletionRequest, ChatCompletionRequest, EmbeddingRequest, TokenizeRequest, DetokenizeRequest):
             found = body.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(found.pop("$defs", {}))
             components[body.__name__] = found
@@ -189,7 +196,7 @@ def _openapi(app: FastAPI, model_name: str, max_model_len: int, vocab_size: int,
                 named["anyOf"] = [{"type": "string", "enum": [model_name]}, {"type": "null"}]
             else:
                 named["enum"] = [model_name]
-            for field in ("prompt", "stop_token_ids", "tokens"):
+            for field in ("prompt", "input", "stop_token_ids", "tokens"):
                 _bound_integers(found["properties"].get(field, {}), 0, vocab_size - 1)
             for kind in found["properties"].get("logit_bias", {}).get("anyOf", []):
                 if "patternProperties" in kind:  # its keys: token ids in the vocabulary

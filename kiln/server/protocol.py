@@ -227,6 +227,14 @@ class SamplingRequest(Strict):
 TokenIds = Annotated[list[Int], Field(min_length=1)]
 
 
+def _refuse_empty(value, name: str):
+    """An empty text or token list, alone or in a list, refused before the union's own checks (which would
+    name each type it is not)."""
+    if value in ("", []) or (isinstance(value, list) and any(v in ("", []) for v in value)):
+        raise ValueError(f"the {name} is empty: give text or at least one token id")
+    return value
+
+
 class CompletionRequest(SamplingRequest):
     model_config = ConfigDict(json_schema_extra={"allOf": [_at_most_one(_FREE), {"anyOf": [  # what may stream
         {"required": ["stream"], "properties": {"stream": {"const": True}, "prompt_logprobs": _NULL,
@@ -252,10 +260,7 @@ class CompletionRequest(SamplingRequest):
     @field_validator("prompt", mode="before")
     @classmethod
     def _not_empty(cls, prompt):
-        """Before the union's own checks, which would name each type the empty prompt is not."""
-        if prompt in ("", []) or (isinstance(prompt, list) and any(p in ("", []) for p in prompt)):
-            raise ValueError("the prompt is empty: give text or at least one token id")
-        return prompt
+        return _refuse_empty(prompt, "prompt")
 
     @model_validator(mode="after")
     def _check(self):
@@ -472,6 +477,24 @@ class TokenizeRequest(Strict):
         return ChatTemplateFields(add_generation_prompt=self.add_generation_prompt is not False,
                                   continue_final_message=bool(self.continue_final_message),
                                   chat_template_kwargs=self.chat_template_kwargs).template_options()
+
+
+class EmbeddingRequest(Strict):
+    """OpenAI's /v1/embeddings: texts or token ids, each embedded whole (`--pooling` says how). A field
+    it does not take (`dimensions`: kiln returns the model's hidden size) is refused by name."""
+
+    model: str
+    input: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=2048)] | TokenIds | \
+        Annotated[list[TokenIds], Field(min_length=1, max_length=2048)] = Field(
+            description="a text, texts, token ids or lists of them (at most 2048); none empty")
+    encoding_format: Literal["float", "base64"] = Field("float", description="base64: each vector's float32 "
+                                                        "bytes, little-endian")
+    user: str | None = Field(None, description="an end-user id for the logs; it changes no output")
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _not_empty(cls, value):
+        return _refuse_empty(value, "input")
 
 
 class DetokenizeRequest(Strict):

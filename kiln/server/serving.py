@@ -7,8 +7,10 @@ checks or other clients.
 """
 
 import asyncio
+import base64
 import itertools
 import logging
+import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -23,12 +25,14 @@ from kiln.config import ServerConfig
 from kiln.errors import KilnError
 from kiln.runtime.async_engine import AsyncEngine, RequestStream
 from kiln.runtime.engine import RequestOutput
+from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.structured_output import StructuredOutput
 from kiln.runtime.tokenizer import Tokenizer, TooManyTokens
 from kiln.server import tool_calls
 from kiln.server.errors import ServerError, stream_error
-from kiln.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice,
-                                  SamplingRequest, StreamOptions, TokenizeRequest, to_json, validation_message)
+from kiln.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                                  NamedToolChoice, SamplingRequest, StreamOptions, TokenizeRequest, to_json,
+                                  validation_message)
 
 logger = logging.getLogger(__name__)
 Body = TypeVar("Body", bound=BaseModel)
@@ -350,6 +354,29 @@ async def chat(server: Server, body: ChatCompletionRequest, request: Request) ->
         return Response(status_code=499)  # nobody reads it: nginx's status for a client that left
     answer = await off_loop(choices.response, {**head, "object": "chat.completion"}, done, prompt_tokens)
     return Response(answer, media_type="application/json")
+
+
+async def embed(server: Server, body: EmbeddingRequest, request: Request) -> Response:
+    """/v1/embeddings: each input's final hidden states pooled (`--pooling`) and L2-normalized."""
+    server.check_model(body.model)
+    server.engine.admit(_prompt_count(body.input))
+    prompts = await off_loop(server.completion_prompts, body.input)
+    params = SamplingParams(max_tokens=1, pooling=server.config.pooling)
+    streams = await server.engine.add_all([(ids, params, text) for ids, text in prompts])
+    done = await finals(streams, request)
+    if done is None:
+        return Response(status_code=499)  # nobody reads it: nginx's status for a client that left
+    tokens = sum(len(ids) for ids, _ in prompts)
+
+    def vector(values: list[float]):
+        return values if body.encoding_format == "float" else base64.b64encode(
+            struct.pack(f"<{len(values)}f", *values)).decode()
+
+    data = [{"object": "embedding", "index": i, "embedding": vector(out.embedding)} for i, out in enumerate(done)]
+    return Response(to_json({"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                             "model": server.model_name, "data": data,
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}),
+                    media_type="application/json")
 
 
 def _prompt_count(prompt) -> int:

@@ -237,6 +237,25 @@ def test_vllms_chat_template_fields_shape_the_prompt(base):
         assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
 
 
+def test_embeddings_through_the_openai_client(base, client, eager):
+    """/v1/embeddings: the openai client asks for base64 by default and decodes it; float gives the same
+    vectors: the model's last hidden state at the last token, L2-normalized (tests/runtime/test_embeddings.py
+    checks those against transformers)."""
+    texts = [PROMPTS[0], PROMPTS[3]]
+    answer = client.embeddings.create(model=MODEL, input=texts)
+    want = eager.embed(texts)
+    assert [d.index for d in answer.data] == [0, 1]
+    assert all(d.embedding == pytest.approx(w, abs=1e-6) for d, w in zip(answer.data, want))
+    ids = [eager.tokenizer.encode(t) for t in texts]
+    assert answer.usage.prompt_tokens == answer.usage.total_tokens == sum(map(len, ids))
+    floats = httpx.post(base + "/v1/embeddings", json={"model": MODEL, "input": ids, "encoding_format": "float"})
+    assert all(d["embedding"] == pytest.approx(w, abs=1e-6) for d, w in zip(floats.json()["data"], want))
+    for body, message in (({"input": texts, "dimensions": 8}, "`dimensions` is not supported"),
+                          ({"input": ""}, "the input is empty"), ({"input": [[1, -2]]}, "outside the vocabulary")):
+        refused = httpx.post(base + "/v1/embeddings", json={"model": MODEL, **body})
+        assert refused.status_code == 400 and message in refused.json()["error"]["message"], refused.text
+
+
 def test_stop_tokens_leave_their_text_out_unless_asked(client, eager):
     """vLLM's rule: the stop token's (or stop string's) text is not in the output unless
     include_stop_str_in_output; stop_reason says which one stopped it."""
