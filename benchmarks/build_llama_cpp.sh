@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Build llama.cpp's benchmark tools (llama-bench, llama-batched-bench, llama-quantize, llama-perplexity) for
-# the CPU peer runs, from the source distribution of llama-cpp-python on the package registry, which
+# Build llama.cpp's benchmark tools (llama-bench, llama-batched-bench, llama-quantize, llama-perplexity, and
+# llama-simple for greedy text) for the CPU peer runs, from the source distribution of llama-cpp-python on the package registry, which
 # vendors llama.cpp: no git clone, nothing but pip's index needed.
 #
 #   benchmarks/build_llama_cpp.sh [OUT_DIR]     # default build/llama.cpp; prints the bin folder
@@ -28,9 +28,9 @@ source_dir="$out/src/vendor/llama.cpp"
 cmake -S "$source_dir" -B "$out/cmake" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
     -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF >"$out/cmake.log" 2>&1 \
     || { tail -30 "$out/cmake.log" >&2; exit 1; }
-cmake --build "$out/cmake" -j "$JOBS" --target llama-bench llama-batched-bench llama-quantize llama-perplexity >"$out/build.log" 2>&1 \
+cmake --build "$out/cmake" -j "$JOBS" --target llama-bench llama-batched-bench llama-quantize llama-perplexity llama-simple >"$out/build.log" 2>&1 \
     || { tail -30 "$out/build.log" >&2; exit 1; }
 mkdir -p "$out/bin"
-for tool in llama-bench llama-batched-bench llama-quantize llama-perplexity; do cp "$out/cmake/bin/$tool" "$out/bin/"; done
+for tool in llama-bench llama-batched-bench llama-quantize llama-perplexity llama-simple; do cp "$out/cmake/bin/$tool" "$out/bin/"; done
 "$out/bin/llama-bench" --help >/dev/null
 echo "$out/bin"

@@ -14,8 +14,9 @@ checkpoint (F32 written here with the package's own tokenizer, Q8_0 / Q4_K_M / Q
 `llama-quantize`), built by `benchmarks/build_llama_cpp.sh`. The text is Lewis Carroll's Alice's
 Adventures in Wonderland, chapters I-III (public domain, `benchmarks/data/alice.txt`).
 
-Greedy agreement: eight prompts, 32 new tokens each, against kiln-fp32's tokens (identical prompts,
-and the mean number of tokens before the first difference). Systems: hf, kiln-eager, kiln-fp32,
+Greedy agreement: eight prompts, 64 new tokens each, against kiln-fp32's tokens (identical prompts,
+and the mean number of tokens before the first difference); kiln-gguf's also against llama.cpp's text on
+the same file (`llama-simple`, which stops at end-of-sequence: compared as far as it went). Systems: hf, kiln-eager, kiln-fp32,
 kiln-int8 and kiln-int4 (with the int8 LM head, as `peers.py` runs them), kiln-w7a8, and with
 `--llama-cpp` llama.cpp-f32, -q8_0, -q4_k_m, -q4_0. kiln-gguf and llama.cpp-gguf run a GGUF file itself
 (`--gguf FILE`, by default the model's own file beside its directory): the same bytes on both sides,
@@ -50,7 +51,7 @@ DEFAULT_SYSTEMS = ("hf", "kiln-fp32", "kiln-int8", "kiln-int4", *LLAMA_CPP)
 PROMPTS = ("The capital of France is", "Water boils at a temperature of", "The three primary colors are",
            "def fibonacci(n):\n", "Once upon a time, in a small village,", "The largest planet in our solar system is",
            "To make a cup of tea, first", "In 1969, the first person to walk on the moon was")
-GREEDY_TOKENS = 32
+GREEDY_TOKENS = 64
 REFERENCE = {"hf": None, "kiln": "kiln-fp32", "llama.cpp": "llama.cpp-f32"}
 """What each family's quantized rows are compared with: its own full precision."""
 
@@ -87,7 +88,8 @@ def parse_llama_perplexity(output: str) -> dict:
 
 # ---- the systems ----
 
-def hf_run(model_dir: Path, chunks: list[list[int]], prompts: list[list[int]], ctx: int) -> dict:
+def hf_run(model_dir: Path, chunks: list[list[int]], prompts: list[list[int]], ctx: int,
+           new_tokens: int = GREEDY_TOKENS) -> dict:
     """transformers in fp32: each window's logits, and greedy tokens from `generate`."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -100,7 +102,7 @@ def hf_run(model_dir: Path, chunks: list[list[int]], prompts: list[list[int]], c
             logp = torch.log_softmax(model(ids).logits[0].float(), -1)
             picked = logp[:-1].gather(1, ids[0, 1:, None])[:, 0].tolist()  # token i + 1 given 0..i
             scored += scored_logprobs([None, *picked], ctx)
-        greedy = [_hf_greedy(model, p, GREEDY_TOKENS) for p in prompts]
+        greedy = [_hf_greedy(model, p, new_tokens) for p in prompts]
     return {"logprobs": scored, "greedy": greedy}
 
 
@@ -120,7 +122,7 @@ def _hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
 
 
 def kiln_run(system: str, model_dir: Path, chunks: list[list[int]], prompts: list[list[int]], ctx: int,
-             cache: Path, threads: int | None) -> dict:
+             cache: Path, threads: int | None, new_tokens: int = GREEDY_TOKENS) -> dict:
     """kiln's `system`: each window's `prompt_logprobs`, and greedy tokens (windows a few at a time, so the
     logprob rows of one step stay small)."""
     from kiln import LLM, SamplingParams
@@ -140,7 +142,7 @@ def kiln_run(system: str, model_dir: Path, chunks: list[list[int]], prompts: lis
     for i in range(0, len(chunks), 4):
         for out in llm.generate(chunks[i:i + 4], params):
             scored += scored_logprobs(out.prompt_logprobs, ctx)
-    greedy = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0,
+    greedy = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0,
                                                                         ignore_eos=True))]
     return {"logprobs": scored, "greedy": greedy, "load_s": round(load_s, 2),
             "artifact": str(llm.artifact_path) if llm.artifact_path else None}
@@ -153,7 +155,20 @@ def llama_cpp_run(system: str, files: dict[str, Path], llama_cpp_dir: Path, text
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{system}: llama-perplexity exited {proc.returncode}:\n{proc.stderr[-2000:]}")
-    return parse_llama_perplexity(proc.stdout + proc.stderr)
+    run = parse_llama_perplexity(proc.stdout + proc.stderr)
+    simple = llama_cpp_dir / "bin" / "llama-simple"
+    if simple.is_file():  # an older build has none: rebuild with benchmarks/build_llama_cpp.sh
+        run["greedy_text"] = [llama_greedy(simple, files[system], prompt) for prompt in PROMPTS]
+    return run
+
+
+def llama_greedy(simple: Path, file: Path, prompt: str) -> str:
+    """llama.cpp's greedy continuation of `prompt` (`llama-simple` prints the prompt, then the new text)."""
+    proc = subprocess.run([str(simple), "-m", str(file), "-n", str(GREEDY_TOKENS), prompt], capture_output=True,
+                          text=True)
+    if proc.returncode != 0 or not proc.stdout.startswith(prompt):
+        raise RuntimeError(f"llama-simple exited {proc.returncode}:\n{proc.stderr[-2000:]}")
+    return proc.stdout[len(prompt):]
 
 
 # ---- the report ----
@@ -167,9 +182,25 @@ def agreement(greedy: list[list[int]], reference: list[list[int]]) -> dict:
             "mean_tokens_before_difference": round(sum(before) / len(before), 2)}
 
 
-def summarize(runs: dict[str, dict]) -> dict:
+def text_agreement(greedy: list[list[int]], texts: list[str], tokenizer) -> dict:
+    """As `agreement`, of kiln's tokens with another runtime's text: the tokens whose text, with all before
+    them, starts that text (or holds all of it, where the other stopped at end-of-sequence)."""
+    before = []
+    for tokens, text in zip(greedy, texts):
+        n = 0
+        while n < len(tokens):
+            mine = tokenizer.decode(tokens[:n + 1])
+            if not (text.startswith(mine) or mine.startswith(text)):
+                break
+            n += 1
+        before.append(n)
+    return {"identical": sum(b == len(g) for b, g in zip(before, greedy)), "prompts": len(texts),
+            "mean_tokens_before_difference": round(sum(before) / len(before), 2)}
+
+
+def summarize(runs: dict[str, dict], tokenizer=None) -> dict:
     """Each system's perplexity and its change from its own family's full precision (kiln-fp32 for kiln,
-    llama.cpp-f32 for llama.cpp), and greedy agreement with kiln-fp32."""
+    llama.cpp-f32 for llama.cpp), greedy agreement with kiln-fp32, and kiln-gguf's with llama.cpp-gguf."""
     table = {}
     for system, run in runs.items():
         if "error" in run:
@@ -184,6 +215,9 @@ def summarize(runs: dict[str, dict]) -> dict:
             row["vs_full_precision"] = round(ppl / ref_ppl - 1, 4)
         if "greedy" in run and "kiln-fp32" in runs and "greedy" in runs["kiln-fp32"] and system != "kiln-fp32":
             row["greedy_vs_kiln_fp32"] = agreement(run["greedy"], runs["kiln-fp32"]["greedy"])
+        peer = runs.get("llama.cpp-gguf", {})
+        if system == "kiln-gguf" and "greedy" in run and "greedy_text" in peer and tokenizer is not None:
+            row["greedy_vs_llama_cpp"] = text_agreement(run["greedy"], peer["greedy_text"], tokenizer)
         table[system] = row
     return table
 
@@ -195,9 +229,11 @@ def print_table(table: dict, tokenizer, runs: dict) -> None:
             print(f"{system:<18} failed: {row['error'][-200:]}")
             continue
         change = f"{row['vs_full_precision'] * 100:+.1f}%" if "vs_full_precision" in row else ""
-        greedy = row.get("greedy_vs_kiln_fp32")
+        greedy = row.get("greedy_vs_kiln_fp32") or row.get("greedy_vs_llama_cpp")
         agree = f"{greedy['identical']}/{greedy['prompts']} identical, {greedy['mean_tokens_before_difference']} " \
                 f"tokens before a difference" if greedy else ""
+        if "greedy_vs_llama_cpp" in row:
+            agree += " (vs llama.cpp-gguf)"
         print(f"{system:<18} {row['perplexity']:>10.3f} {change:>12}  {agree}")
     if tokenizer is not None:
         for system, run in runs.items():
@@ -274,7 +310,7 @@ def main() -> None:
             shown = run.get("perplexity") or (perplexity(run["logprobs"]) if "logprobs" in run else None)
             print(f"{system}: perplexity {shown} ({run['seconds']} s){'  ' + run['error'] if 'error' in run else ''}",
                   flush=True)
-    results["summary"] = summarize(results["runs"])
+    results["summary"] = summarize(results["runs"], tokenizer)
     print_table(results["summary"], tokenizer, results["runs"])
     if args.out:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
