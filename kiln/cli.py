@@ -334,6 +334,8 @@ _REQUEST_LIMITS = [  # (ServerConfig field, argument type, what it bounds): one 
     ("max_stop_length", at_least(1), "longest stop string, in characters"),
     ("max_choices", at_least(1), "most options in a choice constraint (llguidance gives up near 2000)"),
     ("max_grammar_bytes", "size", "largest JSON schema, regex, grammar or set of choices, e.g. 64K"),
+    ("max_stored_responses", at_least(0), "/v1/responses kept in memory for previous_response_id (64 MiB of "
+     "conversation at most)"),
 ]
 
 

@@ -226,6 +226,9 @@ class ServerConfig:
     max_grammar_bytes: int = 64 * 2**10
     """Largest output constraint (JSON schema, regex, grammar, or all choices together), in UTF-8 bytes:
     compiling one takes time that grows faster than its size."""
+    max_stored_responses: int = 1024
+    """Responses (/v1/responses with `store`) kept in memory for `previous_response_id`, newest first; they
+    hold 64 MiB of conversation at most whatever this is."""
     pooling: Literal["last", "mean"] = "last"
     """How /v1/embeddings pools a prompt's final hidden states: the last token's (vLLM's default for
     decoder models) or their mean; L2-normalized either way."""

@@ -33,6 +33,7 @@ from kiln.server.errors import ApiKeyMiddleware, KilnJSONResponse, add_error_han
 from kiln.server.http_limits import BodyLimit, guarded_protocol
 from kiln.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                                   ErrorResponse, TokenizeRequest)
+from kiln.server.responses import ResponsesRequest, ResponseStore, respond
 from kiln.server.serving import Server, chat, complete, embed, off_loop, read_body
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, max_m
                   lifespan=lifespan, default_response_class=KilnJSONResponse)
     vocab = engine.engine.model_config.vocab_size  # the bound the engine checks token ids against
     app.state.server = Server(engine, tokenizer, model_name, max_model_len, config, vocab)
+    app.state.responses = ResponseStore(config.max_stored_responses)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes, timeout=config.body_timeout)
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, key=config.api_key, scope=config.api_key_scope,
@@ -112,6 +114,8 @@ def _add_routes(app: FastAPI) -> None:
     app.add_api_route("/v1/embeddings", embeddings, methods=["POST"], responses={
         200: {"description": "each input's embedding", "content": {"application/json": {}}},
         **_errors(400, 404, 405, 408, 413, 499, 500, 503)}, openapi_extra=_body_schema(EmbeddingRequest))
+    app.add_api_route("/v1/responses", responses, methods=["POST"], responses=GENERATION_RESPONSES,
+                      openapi_extra=_body_schema(ResponsesRequest))
     app.add_api_route("/tokenize", tokenize, methods=["POST"], responses=_errors(400, 404, 405, 408, 413),
                       openapi_extra=_body_schema(TokenizeRequest))
     app.add_api_route("/detokenize", detokenize, methods=["POST"], responses=_errors(400, 404, 405, 408, 413),
@@ -165,6 +169,11 @@ async def embeddings(request: Request) -> Response:  # each input's pooled final
     return await embed(_server(request), await read_body(request, EmbeddingRequest), request)
 
 
+async def responses(request: Request) -> Response:  # OpenAI's Responses API over the chat path
+    return await respond(_server(request), request.app.state.responses, await read_body(request, ResponsesRequest),
+                         request)
+
+
 async def tokenize(request: Request) -> Response:  # vLLM's: text or a chat -> token ids
     server = _server(request)
     return KilnJSONResponse(await off_loop(server.tokenize, await read_body(request, TokenizeRequest)))
@@ -187,7 +196,8 @@ def _openapi(app: FastAPI, model_name: str, max_model_len: int, vocab_size: int,
             return app.openapi_schema
         schema = generate_schema()
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for body in (CompletionRequest, ChatCompletionRequest, EmbeddingRequest, TokenizeRequest, DetokenizeRequest):
+        for body in (CompletionRequest, ChatCompletionRequest, EmbeddingRequest, ResponsesRequest, TokenizeRequest,
+                     DetokenizeRequest):
             found = body.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(found.pop("$defs", {}))
             components[body.__name__] = found

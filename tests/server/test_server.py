@@ -454,10 +454,10 @@ def test_malformed_requests_are_4xx(served):
 
 UNSTATABLE = ("leaves no room to generate", "exceed the model's context", "/tokenize counts at most", "must be >= n",
               "seed must be",
-              "constrains the output already")
+              "constrains the output already", "which is not among the tools")
 """Refusals of schema-valid requests that the schema does not state: a prompt's length in tokens against the
-context (a text's against 4 contexts for /tokenize) and one number against another (best_of >= n, seed + n - 1
-within 64 bits), which JSON Schema cannot; and an output constraint beside the grammar that strict tools or
+context (a text's against 4 contexts for /tokenize), one number against another (best_of >= n, seed + n - 1
+within 64 bits) and a named tool_choice against the tools' names, which JSON Schema cannot; and an output constraint beside the grammar that strict tools or
 parallel_tool_calls false bring in auto mode, which it can but schemathesis's canonicalizer then gives up on the
 chat schema (over 32 branches)."""
 
