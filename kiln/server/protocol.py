@@ -375,6 +375,11 @@ TemplateKwargs = Annotated[dict, Field(json_schema_extra={"propertyNames": {"not
                                        "not the ones the request itself gives it")]
 
 
+CALLS_NEED_TOOLS = {"anyOf": [{"properties": {"tool_choice": {"enum": ["none", "auto", None]}}},
+                               {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}]}
+"""tool_choice required or a named function only with tools."""
+
+
 class ChatTemplateFields(Strict):
     """vLLM's fields that shape how the chat template renders the conversation."""
 
@@ -392,10 +397,9 @@ class ChatTemplateFields(Strict):
 
 
 class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
-    model_config = ConfigDict(json_schema_extra={"allOf": [  # a required or named call is one more constraint
-        _at_most_one({**_FREE, "tool_choice": {"enum": ["none", "auto", None]}},
-                     {"tool_choice": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}),
-        _STREAM_OPTIONS_RULE, _unless("top_logprobs", _true("logprobs")), _TEMPLATE_RULE]})
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        _at_most_one(_FREE), CALLS_NEED_TOOLS, _STREAM_OPTIONS_RULE, _unless("top_logprobs", _true("logprobs")),
+        _TEMPLATE_RULE]})
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: integer(ge=1) | None = None
@@ -405,7 +409,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="default: auto with tools, none without; required and named calls are held to "
-        "the tools' schemas by the grammar engine")
+        "the tools' schemas by the grammar engine (a response format then has no text to shape)")
     parallel_tool_calls: bool = Field(True, description="false: at most one call per answer, which a grammar "
                                       "holds")
     echo: bool = Field(False, description="vLLM's: an answer starts with the final message's text when that "

@@ -20,7 +20,7 @@ from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationError, fie
 from kiln.runtime.engine import RequestOutput
 from kiln.server import tool_calls
 from kiln.server.errors import ServerError, stream_error
-from kiln.server.protocol import (ChatCompletionRequest, NonEmptyText, Strict, integer, to_json,
+from kiln.server.protocol import (CALLS_NEED_TOOLS, ChatCompletionRequest, NonEmptyText, Strict, integer, to_json,
                                   validation_message)
 from kiln.server.serving import Server, finals, merged, off_loop
 
@@ -101,9 +101,7 @@ class Reasoning(Strict):
 class ResponsesRequest(Strict):
     """The fields kiln honours; any other is refused by name, as everywhere."""
 
-    model_config = ConfigDict(json_schema_extra={"anyOf": [  # a required or named call needs tools
-        {"properties": {"tool_choice": {"enum": ["none", "auto", None]}}},
-        {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}]})
+    model_config = ConfigDict(json_schema_extra=CALLS_NEED_TOOLS)
 
     model: str
     input: NonEmptyText | Annotated[list[InputItem], Field(min_length=1)]

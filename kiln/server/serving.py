@@ -82,13 +82,8 @@ class Server:
         """The request's output constraint (the tool calls' among them), within the size
         cap (llguidance's compile time grows faster than the grammar)."""
         found = body.structured_output()
-        if isinstance(body, ChatCompletionRequest) and body.tools:
-            calls = tool_calls.constraint(body.tools, body.tool_mode, body.parallel_tool_calls)
-            if calls is not None and found is not None:
-                raise KilnError("the tool calls' grammar (tool_choice required or named, or in auto mode a strict "
-                                "tool or parallel_tool_calls false) constrains the output already: leave out "
-                                "response_format, structured_outputs and guided_*")
-            found = calls or found
+        if isinstance(body, ChatCompletionRequest) and body.tools and body.tool_mode != "none":
+            found = tool_calls.constraint(body.tools, body.tool_mode, body.parallel_tool_calls, found) or found
         if found is not None:
             size = sum(len(s.encode()) for s in found.spec) if found.kind == "choice" else len(found.spec.encode())
             _cap(f"bytes of {found.kind} constraint", size, self.config.max_grammar_bytes, "--max-grammar-bytes")

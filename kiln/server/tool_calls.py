@@ -18,11 +18,25 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"\s*<tool_call>(.*?)</tool_call>", re.S)
 
 
-def constraint(tools: list[Tool], mode: str, parallel: bool) -> StructuredOutput | None:
+def constraint(tools: list[Tool], mode: str, parallel: bool, answer: StructuredOutput | None = None
+               ) -> StructuredOutput | None:
     """The grammar of a required (`mode` "required") or named call; in auto mode, where a tool is strict
     or `parallel` is false, the grammar of free text in which each call, once the model opens one, is
-    held to the tools' schemas (vLLM's structural tags); None otherwise (the calls parsed as written)."""
-    if mode == "none" or (mode == "auto" and parallel and not any(t.function.strict for t in tools)):
+    held to the tools' schemas (vLLM's structural tags); None otherwise (the calls parsed as written).
+    In auto mode a JSON `answer` (the response format) takes the free text's place: the answer is calls,
+    or that JSON; a required or named call leaves no text for `answer` to shape."""
+    if mode == "none":
+        return None
+    holds = mode != "auto" or not parallel or any(t.function.strict for t in tools)
+    if mode != "auto":
+        answer = None  # a required or named call leaves no text for a response format to shape
+    elif answer is not None and answer.kind != "json":
+        if not holds:
+            return None  # the answer's constraint alone; calls are parsed from it as written
+        raise KilnError("a strict tool or parallel_tool_calls false holds the calls by a grammar, which constrains "
+                        "the output already: beside it only a JSON response format is taken, not a regex, choice or "
+                        "grammar (structured_outputs, guided_*)")
+    if answer is None and not holds:
         return None
     chosen = [t for t in tools if mode in ("required", "auto") or t.function.name == mode]
     defs: dict = {}
@@ -32,7 +46,12 @@ def constraint(tools: list[Tool], mode: str, parallel: bool) -> StructuredOutput
         schema["$defs"] = defs
     schema["x-guidance"] = JSON_STYLE
     body = f'"\\n" %json {json.dumps(schema)} "\\n{CLOSE}"'
-    if mode == "auto":  # text, the calls opened in it, text that opens none after them
+    if answer is not None:  # calls (one without parallel calls), or the answer
+        shape = json.loads(answer.spec)
+        shape.setdefault("x-guidance", JSON_STYLE)
+        calls = 'call ("\\n" call)*' if parallel else "call"
+        grammar = f'start: {calls} | answer\ncall: "{OPEN}" {body}\nanswer: %json {json.dumps(shape)}'
+    elif mode == "auto":  # text, the calls opened in it, text that opens none after them
         calls_then_text = "call* TEXT" if parallel else "TEXT | call TEXT"
         grammar = (f"start: {calls_then_text}\ncall: opened {body}\nopened[lazy]: /(?s:.*){OPEN}/\n"
                    f"TEXT: /(?s:.*)/ & ~/(?s:.*){OPEN}(?s:.*)/")

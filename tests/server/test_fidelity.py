@@ -139,7 +139,6 @@ def _events(response: httpx.Response) -> list[dict]:
 @pytest.mark.parametrize("fields, message", [
     ({"tool_choice": "required"}, "needs tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "constrains"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "x": 1}}]},
      "tools.0.function.x"),
     ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),

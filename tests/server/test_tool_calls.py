@@ -6,7 +6,8 @@ import json
 import pytest
 
 from kiln.models.demo import train_tokenizer
-from kiln.runtime.structured_output import GrammarBackend
+from kiln.errors import KilnError
+from kiln.runtime.structured_output import GrammarBackend, StructuredOutput
 from kiln.runtime.tokenizer import Tokenizer
 from kiln.server import tool_calls
 from kiln.server.protocol import Tool
@@ -28,9 +29,9 @@ def grammars(tmp_path_factory):
     tokenizer = Tokenizer(root)
     backend = GrammarBackend(tokenizer.path, tokenizer._tok.get_vocab_size(), [0])
 
-    def allows(tools: list[dict], parallel: bool, text: str) -> bool:
-        """Whether the auto-mode grammar lets a model write `text`, and then stop."""
-        spec = tool_calls.constraint([Tool.model_validate(t) for t in tools], "auto", parallel)
+    def allows(tools: list[dict], parallel: bool, text: str, answer: StructuredOutput | None = None) -> bool:
+        """Whether the auto-mode grammar (with a response format `answer`) lets a model write `text`, and stop."""
+        spec = tool_calls.constraint([Tool.model_validate(t) for t in tools], "auto", parallel, answer)
         matcher = backend.matcher(spec)
         accepted = all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False))
         return accepted and matcher._m.is_accepting()  # end-of-sequence allowed here
@@ -60,3 +61,22 @@ def test_one_call_at_most_without_parallel_calls(grammars):
     assert grammars([PLAIN], False, f"Sure. {utc} That is all.")
     assert grammars([PLAIN], False, "Only text.")
     assert not grammars([PLAIN], False, f"{utc}\n{utc}")
+
+
+def test_a_json_response_format_beside_tools_is_calls_or_that_json(grammars):
+    """openai-agents' output_type with tools: the answer is the calls, or the JSON the format asks for."""
+    sky = StructuredOutput.json_schema({"type": "object", "properties": {"sky": {"enum": ["sunny", "rainy"]}},
+                                        "required": ["sky"], "additionalProperties": False})
+    paris, oslo = _call("get_weather", {"city": "Paris"}), _call("get_weather", {"city": "Oslo"})
+    for parallel, text, allowed in ((True, '{"sky": "sunny"}', True), (True, f"{paris}\n{oslo}", True),
+                                    (False, paris, True), (False, f"{paris}\n{oslo}", False),
+                                    (True, '{"sky": "green"}', False), (True, "It is sunny.", False),
+                                    (True, f"{paris}\n{{\"sky\": \"sunny\"}}", False)):
+        assert grammars([WEATHER], parallel, text, sky) is allowed, (parallel, text)
+    for mode in ("required", "get_weather"):  # calls, and no text for the format to shape
+        tools = [Tool.model_validate(WEATHER)]
+        assert tool_calls.constraint(tools, mode, True, sky) == tool_calls.constraint(tools, mode, True)
+    regex = StructuredOutput("regex", "a+")
+    assert tool_calls.constraint([Tool.model_validate(PLAIN)], "auto", True, regex) is None  # the regex alone
+    with pytest.raises(KilnError, match="only a JSON response format is taken"):
+        tool_calls.constraint([Tool.model_validate(WEATHER)], "auto", True, regex)
