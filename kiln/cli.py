@@ -320,7 +320,7 @@ def _server_config(args: argparse.Namespace):
         request_timeout=args.request_timeout, shutdown_timeout=args.shutdown_timeout, api_key=args.api_key or os.environ.get("KILN_API_KEY") or None,
         api_key_scope=args.api_key_scope, auth_exempt=tuple(args.auth_exempt or ()), ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile, ssl_ciphers=args.ssl_ciphers, allowed_origins=tuple(args.allowed_origins or ()),
-        pooling=args.pooling,
+        pooling=args.pooling, reasoning_parser=args.reasoning_parser,
         **{name: getattr(args, name) for name, _, _ in _REQUEST_LIMITS})
 
 
@@ -523,6 +523,9 @@ def _add_serve_parser(sub) -> None:
                      "once; more wait (default 64)")
     srv.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                      help="reuse the KV blocks of prompt prefixes seen before (default on)")
+    srv.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], help="tell a reasoning model's "
+                     "thinking (before </think>) from its answer: chat gives it as reasoning_content (vLLM's parsers; "
+                     "default: none, the thinking stays in the content)")
     srv.add_argument("--pooling", choices=["last", "mean"], default=ServerConfig.pooling, help="/v1/embeddings: "
                      "pool a prompt's final hidden states at its last token (vLLM's default for decoder models) or "
                      "by their mean; L2-normalized (default %(default)s)")

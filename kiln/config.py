@@ -226,6 +226,8 @@ class ServerConfig:
     max_grammar_bytes: int = 64 * 2**10
     """Largest output constraint (JSON schema, regex, grammar, or all choices together), in UTF-8 bytes:
     compiling one takes time that grows faster than its size."""
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
+    """How chat answers' thinking is told from the answer (`reasoning_content`); None: it is not."""
     max_stored_responses: int = 1024
     """Responses (/v1/responses with `store`) kept in memory for `previous_response_id`, newest first; they
     hold 64 MiB of conversation at most whatever this is."""

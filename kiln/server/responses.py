@@ -18,7 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
 
 from kiln.runtime.engine import RequestOutput
-from kiln.server import tool_calls
+from kiln.server import reasoning, tool_calls
 from kiln.server.errors import ServerError, stream_error
 from kiln.server.protocol import (CALLS_NEED_TOOLS, ChatCompletionRequest, NonEmptyText, Strict, integer, to_json,
                                   validation_message)
@@ -265,16 +265,29 @@ class Responder:
                 "total_tokens": self.prompt_tokens + generated}}
 
     def split(self, text: str) -> tuple[str, list[dict]]:
-        """The answer's text and its calls in chat's shape (`tool_calls.parse`)."""
+        """The answer's text (after any thinking) and its calls in chat's shape (`tool_calls.parse`)."""
+        text = self.thinking(text)[1]
         if not self.tools:
             return text, []
         content, calls = tool_calls.parse(text)
         return content or "", calls
 
+    def thinking(self, text: str, finished: bool = True) -> tuple[str, str]:
+        """(reasoning, answer) where the server has a reasoning parser, else ("", text)."""
+        parser = self.server.config.reasoning_parser
+        return ("", text) if parser is None else reasoning.split(text, parser, finished)
+
     def whole(self, out: RequestOutput) -> dict:
         content, calls = self.split(out.text)
-        output = ([_message(_id("msg"), content)] if content or not calls else []) + [_function_call(c) for c in calls]
+        thought = self.thinking(out.text)[0]
+        output = ([_reasoning(thought)] if thought else []) + \
+            ([_message(_id("msg"), content)] if content or not calls else []) + [_function_call(c) for c in calls]
         return self.response(output, _status(out), out)
+
+
+def _reasoning(text: str) -> dict:
+    return {"type": "reasoning", "id": _id("rs"), "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "status": "completed"}
 
 
 def _status(out: RequestOutput) -> str:
@@ -327,16 +340,22 @@ async def _events(responder: Responder, streams, keep) -> AsyncIterator[str]:
     message: dict | None = None  # the message item being written
     text = ""
     parser = tool_calls.ToolCallParser() if responder.tools else None
-    sent = 0
+    sent, thought_sent = 0, False
     yield event("response.created", response=responder.response([], "in_progress", None))
     yield event("response.in_progress", response=responder.response([], "in_progress", None))
     try:
         async for _, out in merged(streams):
+            thought, answer = responder.thinking(out.text, out.finished)
+            if thought and not thought_sent and (answer or out.finished):  # the thinking, whole, once it ends
+                thought_sent = True
+                output.append(_reasoning(thought))
+                yield event("response.output_item.added", output_index=len(output) - 1, item=output[-1])
+                yield event("response.output_item.done", output_index=len(output) - 1, item=output[-1])
             if parser is not None:
-                found = parser.delta(out.text, out.finished)
+                found = parser.delta(answer, out.finished)
                 delta, calls = found.get("content", ""), found.get("tool_calls", [])
             else:
-                delta, calls, sent = out.text[sent:], [], len(out.text)
+                delta, calls, sent = answer[sent:], [], max(sent, len(answer))
             if delta:
                 if message is None:
                     message, text = _message(_id("msg"), "", "in_progress"), ""

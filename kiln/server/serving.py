@@ -28,7 +28,7 @@ from kiln.runtime.engine import RequestOutput
 from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.structured_output import StructuredOutput
 from kiln.runtime.tokenizer import Tokenizer, TooManyTokens
-from kiln.server import tool_calls
+from kiln.server import reasoning, tool_calls
 from kiln.server.errors import ServerError, stream_error
 from kiln.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                                   NamedToolChoice, SamplingRequest, StreamOptions, TokenizeRequest, to_json,
@@ -247,6 +247,9 @@ class ChatChoices:
         final = body.messages[-1]
         self.echo = final.text() if body.echo and final.role == "assistant" else ""
         """What each answer starts with (vLLM's chat `echo`): the final message's text, if it is the assistant's."""
+        self.reasoning = server.config.reasoning_parser
+        self.thinking: dict[int, reasoning.ReasoningStream] = {}
+        self.answer_sent: dict[int, int] = {}
 
     def logprobs(self, out: RequestOutput, first: int) -> dict | None:
         if not self.body.logprobs:
@@ -270,11 +273,18 @@ class ChatChoices:
         return {"finish_reason": reason, "stop_reason": out.stop_reason if reason == "stop" else None}
 
     def chunk(self, index: int, out: RequestOutput, chars: int, toks: int) -> dict:
+        text, delta = out.text, {}
+        if self.reasoning is not None:  # the thinking first, then the answer after it
+            thought, text = self.thinking.setdefault(index, reasoning.ReasoningStream(self.reasoning)).delta(
+                out.text, out.finished)
+            if thought:
+                delta["reasoning_content"] = thought
+            chars, self.answer_sent[index] = self.answer_sent.get(index, 0), len(text)
         if self.tools:
             parser = self.parsers.setdefault(index, tool_calls.ToolCallParser())
-            delta, called = parser.delta(out.text, out.finished), parser.calls > 0
+            delta, called = delta | parser.delta(text, out.finished), parser.calls > 0
         else:
-            delta, called = ({"content": out.text[chars:]} if len(out.text) > chars else {}), False
+            delta, called = (delta | {"content": text[chars:]} if len(text) > chars else delta), False
         return {"index": index, "delta": delta, "logprobs": self.logprobs(out, toks), **self.finish(out, called)}
 
     def roles(self, head: dict) -> list[dict]:
@@ -283,10 +293,11 @@ class ChatChoices:
                                       "logprobs": None, "finish_reason": None}]} for i in range(self.body.n)]
 
     def message(self, out: RequestOutput) -> tuple[dict, bool]:
-        if not self.tools:
-            return {"role": "assistant", "content": self.echo + out.text}, False
-        content, calls = tool_calls.parse(out.text)
+        thought, text = (None, out.text) if self.reasoning is None else reasoning.split(out.text, self.reasoning, True)
+        content, calls = tool_calls.parse(text) if self.tools else (text, [])
         message = {"role": "assistant", "content": self.echo + (content or "") if self.echo else content}
+        if self.reasoning is not None:
+            message["reasoning_content"] = thought or None
         if calls:
             message["tool_calls"] = calls
         return message, bool(calls)

@@ -84,9 +84,9 @@ def _parsed(block: str) -> dict | None:
             "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
 
 
-def _partial_open(text: str) -> int:
-    """How many characters at the end of `text` could begin `<tool_call>`: held back from a stream."""
-    return next((n for n in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-n:])), 0)
+def held_back(text: str, marker: str = OPEN) -> int:
+    """How many characters at the end of `text` could begin `marker`: held back from a stream."""
+    return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1) if marker.startswith(text[-n:])), 0)
 
 
 class ToolCallParser:
@@ -106,7 +106,7 @@ class ToolCallParser:
         content, calls = "", []
         if not self._in_calls:
             start = text.find(OPEN, self.sent)
-            end = start if start >= 0 else len(text) - (0 if finished else _partial_open(text))
+            end = start if start >= 0 else len(text) - (0 if finished else held_back(text))
             content, self.sent, self._in_calls = text[self.sent:end], end, start >= 0
         while self._in_calls:
             close = text.find(CLOSE, max(self._scanned, self.sent))
