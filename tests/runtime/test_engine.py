@@ -167,7 +167,7 @@ def test_a_request_finishing_as_its_client_aborts_is_ended_once(llm):
     engine thread with a KeyError)."""
     import asyncio
 
-    from kiln.runtime.async_engine import AsyncEngine, _Stream
+    from kiln.runtime.async_engine import AsyncEngine, _Choices, _Stream
     from kiln.runtime.engine import RequestOutput
 
     engine = AsyncEngine(llm.engine)  # not started: the two sides are called in the order under test
@@ -185,7 +185,7 @@ def test_a_request_finishing_as_its_client_aborts_is_ended_once(llm):
     try:
         for order in ("deliver, abort inside", "abort, deliver", "deliver, abort"):
             engine._streams = AbortedBetween() if order == "deliver, abort inside" else {}
-            engine._streams["r"] = stream = _Stream(loop, asyncio.Queue(), 1)
+            engine._streams["r"] = stream = _Stream(loop, asyncio.Queue(), 1, 1, _Choices(1, 1))
             if order == "abort, deliver":
                 engine.abort("r")
             engine._deliver("r", last("r"))
