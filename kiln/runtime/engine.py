@@ -220,10 +220,14 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - this request's failure, not the step's
                 failed.setdefault(batch.seqs[i].request_id, e)
         for i, chunk in zip(pooling, states):
-            _pool(batch.seqs[i], chunk)
+            try:
+                _pool(batch.seqs[i], chunk)
+            except Exception as e:  # noqa: BLE001 - this request's failure, not the step's
+                failed.setdefault(batch.seqs[i].request_id, e)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             self.scheduler.computed(seq, n)
-        embedded = [self._embedded(batch.seqs[i]) for i in pooling if batch.seqs[i].num_pending == 0]
+        embedded = [self._embedded(batch.seqs[i]) for i in pooling
+                    if batch.seqs[i].num_pending == 0 and batch.seqs[i].request_id not in failed]
         if tokens is not None:
             result = SampleResult.of(tokens.tolist())
         else:
