@@ -26,3 +26,18 @@ def live_server(app, **uvicorn_options) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def live_app(llm, model_name: str, max_model_len: int, config=None) -> Iterator[str]:
+    """The OpenAI-compatible app over `llm`'s engine, started, on a live server: its base URL."""
+    from kiln.runtime.async_engine import AsyncEngine
+    from kiln.server.app import create_app
+
+    engine = AsyncEngine(llm.engine, model_name=model_name)
+    engine.start()
+    try:
+        with live_server(create_app(engine, llm.tokenizer, model_name, max_model_len, config=config)) as url:
+            yield url
+    finally:
+        engine.shutdown()

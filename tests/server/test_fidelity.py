@@ -11,10 +11,8 @@ import openai
 import pytest
 
 from kiln import LLM, SamplingParams
-from kiln.runtime.async_engine import AsyncEngine
-from kiln.server.app import create_app
 from tests.oracle import PROMPTS
-from tests.server.live import live_server
+from tests.server.live import live_app
 
 MODEL = "demo-llama"
 WEATHER = {"type": "function", "function": {
@@ -33,13 +31,8 @@ def eager(demo_dirs) -> LLM:
 
 @pytest.fixture(scope="module")
 def base(eager) -> str:
-    engine = AsyncEngine(eager.engine, model_name=MODEL)
-    engine.start()
-    try:
-        with live_server(create_app(engine, eager.tokenizer, MODEL, 1024)) as url:
-            yield url
-    finally:
-        engine.shutdown()
+    with live_app(eager, MODEL, 1024) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,8 @@ import pytest
 
 from kiln import LLM
 from kiln.config import ServerConfig
-from kiln.runtime.async_engine import AsyncEngine
-from kiln.server.app import create_app
 from kiln.server.reasoning import split
-from tests.server.live import live_server
+from tests.server.live import live_app
 
 MODEL = "demo-llama"
 
@@ -41,15 +39,8 @@ def test_every_prefix_splits_into_a_prefix_of_the_whole():
 
 @pytest.fixture(scope="module")
 def base(demo_dirs) -> str:
-    llm = LLM(demo_dirs["llama"], max_model_len=1024)
-    engine = AsyncEngine(llm.engine, model_name=MODEL)
-    engine.start()
-    try:
-        with live_server(create_app(engine, llm.tokenizer, MODEL, 1024, config=ServerConfig(reasoning_parser="qwen3"))
-                         ) as url:
-            yield url
-    finally:
-        engine.shutdown()
+    with live_app(LLM(demo_dirs["llama"], max_model_len=1024), MODEL, 1024, ServerConfig(reasoning_parser="qwen3")) as url:
+        yield url
 
 
 THINKING = "<think>The user greets me.</think>\n\nHello there."

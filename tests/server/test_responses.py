@@ -8,11 +8,9 @@ import pytest
 
 from kiln import LLM
 from kiln.config import ServerConfig
-from kiln.runtime.async_engine import AsyncEngine
-from kiln.server.app import create_app
 from kiln.server.errors import ServerError
 from kiln.server.responses import ResponseStore
-from tests.server.live import live_server
+from tests.server.live import live_app
 
 MODEL = "demo-llama"
 WEATHER = {"type": "function", "name": "get_weather", "strict": True, "parameters": {
@@ -22,15 +20,8 @@ WEATHER = {"type": "function", "name": "get_weather", "strict": True, "parameter
 
 @pytest.fixture(scope="module")
 def base(demo_dirs) -> str:
-    llm = LLM(demo_dirs["llama"], max_model_len=1024)
-    engine = AsyncEngine(llm.engine, model_name=MODEL)
-    engine.start()
-    try:
-        with live_server(create_app(engine, llm.tokenizer, MODEL, 1024, config=ServerConfig(max_stored_responses=4))
-                         ) as url:
-            yield url
-    finally:
-        engine.shutdown()
+    with live_app(LLM(demo_dirs["llama"], max_model_len=1024), MODEL, 1024, ServerConfig(max_stored_responses=4)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
