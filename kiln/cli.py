@@ -321,6 +321,7 @@ def _server_config(args: argparse.Namespace):
         api_key_scope=args.api_key_scope, auth_exempt=tuple(args.auth_exempt or ()), ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile, ssl_ciphers=args.ssl_ciphers, allowed_origins=tuple(args.allowed_origins or ()),
         pooling=args.pooling, reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
         **{name: getattr(args, name) for name, _, _ in _REQUEST_LIMITS})
 
 
@@ -526,6 +527,11 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], help="tell a reasoning model's "
                      "thinking (before </think>) from its answer: chat gives it as reasoning_content (vLLM's parsers; "
                      "default: none, the thinking stays in the content)")
+    srv.add_argument("--tool-call-parser", choices=["hermes", "llama3_json", "mistral", "qwen3"],
+                     default=ServerConfig.tool_call_parser, help="the format the model writes tool calls in "
+                     "(vLLM's names): hermes <tool_call> JSON blocks (Qwen2.5, Hermes); qwen3 those or Qwen3-Coder's "
+                     "<function=...> XML in them; llama3_json Llama 3.x JSON; mistral [TOOL_CALLS] (default "
+                     "%(default)s)")
     srv.add_argument("--pooling", choices=["last", "mean"], default=ServerConfig.pooling, help="/v1/embeddings: "
                      "pool a prompt's final hidden states at its last token (vLLM's default for decoder models) or "
                      "by their mean; L2-normalized (default %(default)s)")

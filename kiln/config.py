@@ -228,6 +228,9 @@ class ServerConfig:
     compiling one takes time that grows faster than its size."""
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
     """How chat answers' thinking is told from the answer (`reasoning_content`); None: it is not."""
+    tool_call_parser: Literal["hermes", "llama3_json", "mistral", "qwen3"] = "hermes"
+    """The format the model writes tool calls in (vLLM's parser names): how calls are parsed from answers,
+    and the grammar that holds required, named and strict calls."""
     max_stored_responses: int = 1024
     """Responses (/v1/responses with `store`) kept in memory for `previous_response_id`, newest first; they
     hold 64 MiB of conversation at most whatever this is."""

@@ -145,6 +145,19 @@ def test_help_lists_commands():
     assert "generate" in out and "demo-model" in out
 
 
+def test_serve_options_reach_the_server_config():
+    """Each of serve's parser options lands in ServerConfig, and a name outside vLLM's is refused by argparse."""
+    from kiln.cli import _server_config, build_parser
+
+    args = build_parser().parse_args(["serve", "m", "--tool-call-parser", "mistral", "--reasoning-parser", "qwen3",
+                                      "--pooling", "mean"])
+    config = _server_config(args)
+    assert (config.tool_call_parser, config.reasoning_parser, config.pooling) == ("mistral", "qwen3", "mean")
+    assert _server_config(build_parser().parse_args(["serve", "m"])).tool_call_parser == "hermes"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--tool-call-parser", "pythonic"])
+
+
 def test_help_imports_no_torch():
     """`kiln ... --help` answers in a fraction of a second: building the parser imports no torch."""
     code = ("import sys\nfrom kiln.cli import main\nfor cmd in ('generate', 'compile', 'serve', 'demo-model', "

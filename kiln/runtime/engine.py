@@ -171,7 +171,7 @@ class Engine:
         if params.structured_output is not None:
             seq.matcher = self.grammars.matcher(params.structured_output)
         if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params.skip_special_tokens)
         self.scheduler.add(seq)
         self._prompts[request_id] = prompt
         return request_id

@@ -51,6 +51,9 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None
     """Constrain the output to a JSON schema, a regex, a choice or a grammar; the request stops when
     it is complete."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text (vLLM's default); false keeps them, as a tool-call format whose
+    marker is one (Mistral's `[TOOL_CALLS]`) needs. A stop token's or EOS's text is cut either way."""
     pooling: str | None = None
     """Embed the prompt instead of generating: the model's final hidden states pooled ("last": the last
     token's; "mean": their average over the prompt) and L2-normalized, as vLLM pools decoder models, in

@@ -152,8 +152,13 @@ class Tokenizer:
         """The vocabulary's string for one id (byte-level tokens as stored, e.g. "Ġthe")."""
         return self._tok.id_to_token(token_id) or ""
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def special_token_id(self, text: str) -> int | None:
+        """The id of the special token spelled `text` (Mistral's `[TOOL_CALLS]`), or None if there is none."""
+        return next((i for i, t in self._tok.get_added_tokens_decoder().items() if t.special and t.content == text),
+                    None)
 
     @property
     def renders_tools(self) -> bool:
@@ -219,8 +224,8 @@ class IncrementalDetokenizer:
     rather than all of them, and holds back a delta that ends in an incomplete UTF-8 character (a
     byte-level token may carry half of one), so a stream never shows a broken character."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int]):
-        self._tok = tokenizer
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self._tok, self._skip = tokenizer, skip_special_tokens
         self._ids = list(prompt_token_ids[-6:])  # context: a token's leading space depends on the one before
         self._prefix, self._read = max(len(self._ids) - 5, 0), len(self._ids)
         self.text = ""
@@ -228,8 +233,8 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one token; return the text it completes ("" while a character is incomplete)."""
         self._ids.append(token_id)
-        before = self._tok.decode(self._ids[self._prefix : self._read])
-        after = self._tok.decode(self._ids[self._prefix :])
+        before = self._tok.decode(self._ids[self._prefix : self._read], self._skip)
+        after = self._tok.decode(self._ids[self._prefix :], self._skip)
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
         delta = after[len(before) :]

@@ -156,6 +156,7 @@ class SamplingRequest(Strict):
     logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         None, description="token id (a string, as in JSON) -> bias", json_schema_extra=_only_token_id_keys)
     min_tokens: integer(ge=0) = 0
+    skip_special_tokens: bool = Field(True, description="vLLM's: leave special tokens out of the text")
     user: str | None = Field(None, description="an end-user id for the logs; it changes no output")
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -211,7 +212,7 @@ class SamplingRequest(Strict):
             prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             logit_bias={int(t): v for t, v in (self.logit_bias or {}).items()}, min_tokens=min(self.min_tokens, max_tokens),
-            structured_output=structured_output,
+            structured_output=structured_output, skip_special_tokens=self.skip_special_tokens,
         )
 
     @model_validator(mode="after")

@@ -9,7 +9,7 @@ answer, which tool calls are then parsed from.
 
 from typing import Literal
 
-from kiln.server.tool_calls import held_back
+from kiln.server.tool_calls.format import held_back
 
 OPEN, CLOSE = "<think>", "</think>"
 Parser = Literal["deepseek_r1", "qwen3"]

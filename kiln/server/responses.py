@@ -18,7 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
 
 from kiln.runtime.engine import RequestOutput
-from kiln.server import reasoning, tool_calls
+from kiln.server import reasoning
 from kiln.server.errors import ServerError, stream_error
 from kiln.server.protocol import (CALLS_NEED_TOOLS, ChatCompletionRequest, NonEmptyText, Strict, integer, to_json,
                                   validation_message)
@@ -265,11 +265,11 @@ class Responder:
                 "total_tokens": self.prompt_tokens + generated}}
 
     def split(self, text: str) -> tuple[str, list[dict]]:
-        """The answer's text (after any thinking) and its calls in chat's shape (`tool_calls.parse`)."""
+        """The answer's text (after any thinking) and its calls in chat's shape (the tool-call format's)."""
         text = self.thinking(text)[1]
         if not self.tools:
             return text, []
-        content, calls = tool_calls.parse(text)
+        content, calls = self.server.tool_format.parse(text, self.chat.tools)
         return content or "", calls
 
     def thinking(self, text: str, finished: bool = True) -> tuple[str, str]:
@@ -307,6 +307,7 @@ async def respond(server: Server, store: ResponseStore, body: ResponsesRequest, 
     server.check_model(body.model)
     server.engine.admit(1)
     chat, conversation = await off_loop(chat_of, body, store)
+    chat = server.with_tool_marker(chat)
     server.check_limits(chat)
     prompt = await off_loop(server.chat_prompt, chat)
     structured = await off_loop(server.constraint, chat)
@@ -339,7 +340,7 @@ async def _events(responder: Responder, streams, keep) -> AsyncIterator[str]:
     output: list[dict] = []
     message: dict | None = None  # the message item being written
     text = ""
-    parser = tool_calls.ToolCallParser() if responder.tools else None
+    parser = responder.server.tool_format.parser(responder.chat.tools) if responder.tools else None
     sent, thought_sent = 0, False
     yield event("response.created", response=responder.response([], "in_progress", None))
     yield event("response.in_progress", response=responder.response([], "in_progress", None))

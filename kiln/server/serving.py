@@ -51,6 +51,7 @@ class Server:
         """The model's vocabulary, which token ids must fall in (the tokenizer's may be smaller)."""
         self.model_name, self.max_model_len = model_name, max_model_len
         self.config = config or ServerConfig()
+        self.tool_format = tool_calls.tool_format(self.config.tool_call_parser, tokenizer)
         self.created = int(time.time())
 
     def check_model(self, name: str) -> None:
@@ -83,11 +84,18 @@ class Server:
         cap (llguidance's compile time grows faster than the grammar)."""
         found = body.structured_output()
         if isinstance(body, ChatCompletionRequest) and body.tools and body.tool_mode != "none":
-            found = tool_calls.constraint(body.tools, body.tool_mode, body.parallel_tool_calls, found) or found
+            found = self.tool_format.constraint(body.tools, body.tool_mode, body.parallel_tool_calls, found) or found
         if found is not None:
             size = sum(len(s.encode()) for s in found.spec) if found.kind == "choice" else len(found.spec.encode())
             _cap(f"bytes of {found.kind} constraint", size, self.config.max_grammar_bytes, "--max-grammar-bytes")
         return found
+
+    def with_tool_marker(self, body: ChatCompletionRequest) -> ChatCompletionRequest:
+        """`body`, its answers detokenized with special tokens where it has tools and the tool-call format's
+        marker is a special token (vLLM's rule): the parser must see the marker."""
+        if body.tools and body.tool_mode != "none" and self.tool_format.keeps_special_tokens:
+            return body.model_copy(update={"skip_special_tokens": False})
+        return body
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """`text`'s token ids; a 400 as soon as it is known not to fit the context."""
@@ -243,7 +251,7 @@ class ChatChoices:
     def __init__(self, server: Server, body: ChatCompletionRequest):
         self.server, self.body = server, body
         self.tools = bool(body.tools) and body.tool_mode != "none"
-        self.parsers: dict[int, tool_calls.ToolCallParser] = {}
+        self.parsers: dict[int, tool_calls.CallParser] = {}
         final = body.messages[-1]
         self.echo = final.text() if body.echo and final.role == "assistant" else ""
         """What each answer starts with (vLLM's chat `echo`): the final message's text, if it is the assistant's."""
@@ -281,7 +289,9 @@ class ChatChoices:
                 delta["reasoning_content"] = thought
             chars, self.answer_sent[index] = self.answer_sent.get(index, 0), len(text)
         if self.tools:
-            parser = self.parsers.setdefault(index, tool_calls.ToolCallParser())
+            if index not in self.parsers:
+                self.parsers[index] = self.server.tool_format.parser(self.body.tools)
+            parser = self.parsers[index]
             delta, called = delta | parser.delta(text, out.finished), parser.calls > 0
         else:
             delta, called = (delta | {"content": text[chars:]} if len(text) > chars else delta), False
@@ -294,7 +304,7 @@ class ChatChoices:
 
     def message(self, out: RequestOutput) -> tuple[dict, bool]:
         thought, text = (None, out.text) if self.reasoning is None else reasoning.split(out.text, self.reasoning, True)
-        content, calls = tool_calls.parse(text) if self.tools else (text, [])
+        content, calls = self.server.tool_format.parse(text, self.body.tools) if self.tools else (text, [])
         message = {"role": "assistant", "content": self.echo + (content or "") if self.echo else content}
         if self.reasoning is not None:
             message["reasoning_content"] = thought or None
@@ -342,6 +352,7 @@ async def chat(server: Server, body: ChatCompletionRequest, request: Request) ->
     server.check_model(body.model)
     server.check_limits(body)
     server.engine.admit(body.n)
+    body = server.with_tool_marker(body)
     prompt = await off_loop(server.chat_prompt, body)
     structured = await off_loop(server.constraint, body)
     top = body.top_logprobs or 0

@@ -271,6 +271,18 @@ def test_stop_tokens_leave_their_text_out_unless_asked(client, eager):
     assert length.finish_reason == "length" and length.model_extra["stop_reason"] is None
 
 
+def test_special_tokens_are_left_out_of_the_text_unless_asked(client, eager):
+    """vLLM's skip_special_tokens: the end-of-text token, made to come between words (EOS ignored), is
+    in the text only with skip_special_tokens false."""
+    eos = eager.tokenizer.eos_token_ids[0]
+    spelled = eager.tokenizer._tok.id_to_token(eos)
+    fields = dict(model=MODEL, prompt=PROMPTS[3], max_tokens=3, temperature=0)
+    extra = {"ignore_eos": True, "logit_bias": {str(eos): 100}}
+    assert client.completions.create(**fields, extra_body=extra).choices[0].text == ""
+    kept = client.completions.create(**fields, extra_body={**extra, "skip_special_tokens": False}).choices[0]
+    assert kept.text == spelled * 3
+
+
 def _chat_stop(client, token: int):
     """A chat answer stopped by `token`, which it is made to say first."""
     return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,

@@ -1,5 +1,6 @@
-"""The tool-call grammars on their own: what each lets a model write, token by token through llguidance,
-over a small trained tokenizer (the live server's round trips are in test_fidelity.py)."""
+"""The Hermes tool-call grammars on their own: what each lets a model write, token by token through
+llguidance, over a small trained tokenizer (the live server's round trips are in test_fidelity.py; the
+other formats' grammars and parsers in test_tool_formats.py)."""
 
 import json
 
@@ -9,12 +10,13 @@ from kiln.models.demo import train_tokenizer
 from kiln.errors import KilnError
 from kiln.runtime.structured_output import GrammarBackend, StructuredOutput
 from kiln.runtime.tokenizer import Tokenizer
-from kiln.server import tool_calls
+from kiln.server.tool_calls import Hermes
 from kiln.server.protocol import Tool
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
     "additionalProperties": False}}}
+HERMES = Hermes()
 PLAIN = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
 
 
@@ -31,7 +33,7 @@ def grammars(tmp_path_factory):
 
     def allows(tools: list[dict], parallel: bool, text: str, answer: StructuredOutput | None = None) -> bool:
         """Whether the auto-mode grammar (with a response format `answer`) lets a model write `text`, and stop."""
-        spec = tool_calls.constraint([Tool.model_validate(t) for t in tools], "auto", parallel, answer)
+        spec = HERMES.constraint([Tool.model_validate(t) for t in tools], "auto", parallel, answer)
         matcher = backend.matcher(spec)
         accepted = all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False))
         return accepted and matcher._m.is_accepting()  # end-of-sequence allowed here
@@ -40,9 +42,9 @@ def grammars(tmp_path_factory):
 
 
 def test_auto_mode_holds_nothing_unless_a_tool_is_strict_or_calls_are_one():
-    assert tool_calls.constraint([Tool.model_validate(PLAIN)], "auto", True) is None
-    assert tool_calls.constraint([Tool.model_validate(PLAIN)], "auto", False) is not None
-    assert tool_calls.constraint([Tool.model_validate(WEATHER)], "auto", True) is not None
+    assert HERMES.constraint([Tool.model_validate(PLAIN)], "auto", True) is None
+    assert HERMES.constraint([Tool.model_validate(PLAIN)], "auto", False) is not None
+    assert HERMES.constraint([Tool.model_validate(WEATHER)], "auto", True) is not None
 
 
 def test_strict_tools_in_auto_mode_let_text_through_and_hold_each_call(grammars):
@@ -75,8 +77,8 @@ def test_a_json_response_format_beside_tools_is_calls_or_that_json(grammars):
         assert grammars([WEATHER], parallel, text, sky) is allowed, (parallel, text)
     for mode in ("required", "get_weather"):  # calls, and no text for the format to shape
         tools = [Tool.model_validate(WEATHER)]
-        assert tool_calls.constraint(tools, mode, True, sky) == tool_calls.constraint(tools, mode, True)
+        assert HERMES.constraint(tools, mode, True, sky) == HERMES.constraint(tools, mode, True)
     regex = StructuredOutput("regex", "a+")
-    assert tool_calls.constraint([Tool.model_validate(PLAIN)], "auto", True, regex) is None  # the regex alone
+    assert HERMES.constraint([Tool.model_validate(PLAIN)], "auto", True, regex) is None  # the regex alone
     with pytest.raises(KilnError, match="only a JSON response format is taken"):
-        tool_calls.constraint([Tool.model_validate(WEATHER)], "auto", True, regex)
+        HERMES.constraint([Tool.model_validate(WEATHER)], "auto", True, regex)
