@@ -116,6 +116,8 @@ def _add_routes(app: FastAPI) -> None:
         **_errors(400, 404, 405, 408, 413, 499, 500, 503)}, openapi_extra=_body_schema(EmbeddingRequest))
     app.add_api_route("/v1/responses", responses, methods=["POST"], responses=GENERATION_RESPONSES,
                       openapi_extra=_body_schema(ResponsesRequest))
+    app.add_api_route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"],
+                      responses=_errors(404, 405))  # one route: a 405's Allow names both
     app.add_api_route("/tokenize", tokenize, methods=["POST"], responses=_errors(400, 404, 405, 408, 413),
                       openapi_extra=_body_schema(TokenizeRequest))
     app.add_api_route("/detokenize", detokenize, methods=["POST"], responses=_errors(400, 404, 405, 408, 413),
@@ -174,6 +176,15 @@ async def responses(request: Request) -> Response:  # OpenAI's Responses API ove
                          request)
 
 
+async def stored_response(response_id: str, request: Request) -> Response:
+    """GET: a stored response, as it was sent; DELETE: drop it (OpenAI's deletion object)."""
+    store = request.app.state.responses
+    if request.method == "DELETE":
+        store.delete(response_id)
+        return KilnJSONResponse({"id": response_id, "object": "response", "deleted": True})
+    return KilnJSONResponse(store.response(response_id))
+
+
 async def tokenize(request: Request) -> Response:  # vLLM's: text or a chat -> token ids
     server = _server(request)
     return KilnJSONResponse(await off_loop(server.tokenize, await read_body(request, TokenizeRequest)))
@@ -221,8 +232,10 @@ def _openapi(app: FastAPI, model_name: str, max_model_len: int, vocab_size: int,
                 if "default" in field and field["default"] is None:
                     del field["default"]
         for operations in schema["paths"].values():
-            for operation in operations.values():
+            for method, operation in operations.items():
                 operation["responses"].pop("422", None)
+                if len(operations) > 1:  # one route for several methods: FastAPI gives them all one id
+                    operation["operationId"] = f"{operation['operationId'].rsplit('_', 1)[0]}_{method}"
         components.pop("HTTPValidationError", None)
         components.pop("ValidationError", None)
         if config.api_key is not None:

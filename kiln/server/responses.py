@@ -144,32 +144,47 @@ class ResponsesRequest(Strict):
 
 
 class ResponseStore:
-    """Stored responses' conversations (chat messages, the answer last), newest kept: at most `count`
-    of them and `characters` of their JSON together."""
+    """Stored responses, each its response object and its conversation (chat messages, the answer last),
+    newest kept: at most `count` of them and `characters` of their JSON together."""
 
     def __init__(self, count: int, characters: int = 64 * 2**20):
         self.count, self.characters = count, characters
-        self._items: collections.OrderedDict[str, tuple[list[dict], int]] = collections.OrderedDict()
+        self._items: collections.OrderedDict[str, tuple[list[dict], dict, int]] = collections.OrderedDict()
         self._size = 0
         self._lock = threading.Lock()
 
-    def put(self, response_id: str, messages: list[dict]) -> None:
-        size = len(json.dumps(messages))
+    def put(self, response_id: str, messages: list[dict], response: dict) -> None:
+        size = len(json.dumps(messages)) + len(json.dumps(response))
         with self._lock:
-            self._items[response_id] = (messages, size)
+            self._items[response_id] = (messages, response, size)
             self._size += size
             while self._items and (len(self._items) > self.count or self._size > self.characters):
-                _, (_, dropped) = self._items.popitem(last=False)
+                _, (_, _, dropped) = self._items.popitem(last=False)
                 self._size -= dropped
 
-    def get(self, response_id: str) -> list[dict]:
+    def _find(self, response_id: str, param: str | None) -> tuple[list[dict], dict, int]:
         with self._lock:
             found = self._items.get(response_id)
         if found is None:
-            raise ServerError(404, f"no stored response `{response_id}`: it was sent with store false, or this "
-                                   f"server has dropped it (it keeps the newest {self.count}, --max-stored-responses)",
-                              param="previous_response_id")
-        return found[0]
+            raise ServerError(404, f"no stored response `{response_id}`: it was sent with store false, deleted, or "
+                                   f"this server has dropped it (it keeps the newest {self.count}, "
+                                   "--max-stored-responses)", param=param)
+        return found
+
+    def get(self, response_id: str) -> list[dict]:
+        """The conversation that `previous_response_id` continues."""
+        return self._find(response_id, "previous_response_id")[0]
+
+    def response(self, response_id: str) -> dict:
+        """The response object, as it was sent (GET /v1/responses/{id})."""
+        return self._find(response_id, None)[1]
+
+    def delete(self, response_id: str) -> None:
+        self._find(response_id, None)
+        with self._lock:
+            found = self._items.pop(response_id, None)
+            if found is not None:
+                self._size -= found[2]
 
 
 def chat_of(body: ResponsesRequest, store: ResponseStore) -> tuple[ChatCompletionRequest, list[dict]]:
@@ -314,18 +329,19 @@ async def respond(server: Server, store: ResponseStore, body: ResponsesRequest, 
     streams = await server.start([prompt], chat, chat.max_completion_tokens, None, structured)
     responder = Responder(server, body, chat, len(prompt[0]))
 
-    def keep(out: RequestOutput) -> None:
+    def keep(out: RequestOutput, response: dict) -> None:
         if body.store:
             content, calls = responder.split(out.text)
-            store.put(responder.id, conversation + [_answer(content, calls)])
+            store.put(responder.id, conversation + [_answer(content, calls)], response)
 
     if body.stream:
         return StreamingResponse(_events(responder, streams, keep), media_type="text/event-stream")
     done = await finals(streams, request)
     if done is None:
         return Response(status_code=499)  # nobody reads it: nginx's status for a client that left
-    keep(done[0])
-    return Response(to_json(responder.whole(done[0])), media_type="application/json")
+    response = responder.whole(done[0])
+    keep(done[0], response)
+    return Response(to_json(response), media_type="application/json")
 
 
 async def _events(responder: Responder, streams, keep) -> AsyncIterator[str]:
@@ -389,9 +405,10 @@ async def _events(responder: Responder, streams, keep) -> AsyncIterator[str]:
                     output.append(_message(_id("msg"), ""))
                     yield event("response.output_item.added", output_index=0, item=output[0])
                     yield event("response.output_item.done", output_index=0, item=output[0])
-                keep(out)
                 status = _status(out)
-                yield event(f"response.{status}", response=responder.response(output, status, out))
+                response = responder.response(output, status, out)
+                keep(out, response)
+                yield event(f"response.{status}", response=response)
     except Exception as e:  # noqa: BLE001 - the client gets an error event, not a cut stream
         error = stream_error(e)["error"]
         yield event("error", code=str(error["code"]), message=error["message"], param=error["param"])

@@ -95,14 +95,31 @@ def test_a_response_not_stored_cannot_be_continued(client):
         client.responses.create(model=MODEL, input="and?", previous_response_id=kept.id, max_output_tokens=2)
 
 
+def test_a_stored_response_is_retrieved_as_sent_and_deleted(client):
+    """The openai client's responses.retrieve and delete: the response object as it was answered, whole or
+    streamed; once deleted it can be neither retrieved nor continued."""
+    whole = client.responses.create(model=MODEL, input="The kiln was", max_output_tokens=4, temperature=0)
+    assert client.responses.retrieve(whole.id) == whole
+    streamed = list(client.responses.create(model=MODEL, input="The kiln was", max_output_tokens=4, stream=True))
+    assert client.responses.retrieve(streamed[-1].response.id) == streamed[-1].response
+    client.responses.delete(whole.id)
+    for call in (lambda: client.responses.retrieve(whole.id), lambda: client.responses.delete(whole.id),
+                 lambda: client.responses.create(model=MODEL, input="and?", previous_response_id=whole.id)):
+        with pytest.raises(openai.NotFoundError, match="deleted"):
+            call()
+    not_kept = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(not_kept.id)
+
+
 def test_the_store_keeps_the_newest_within_its_bounds():
     store = ResponseStore(count=2, characters=200)
     for name in ("a", "b", "c"):
-        store.put(name, [{"role": "user", "content": name}])
+        store.put(name, [{"role": "user", "content": name}], {"id": name})
     assert store.get("c") and store.get("b")
     with pytest.raises(ServerError, match="keeps the newest 2"):
         store.get("a")
-    store.put("big", [{"role": "user", "content": "x" * 150}])  # past 200 characters with b and c: they go
+    store.put("big", [{"role": "user", "content": "x" * 130}], {"id": "big"})  # past 200 characters with b and c: they go
     assert store.get("big")
     with pytest.raises(ServerError):
         store.get("b")
