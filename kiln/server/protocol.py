@@ -157,7 +157,7 @@ class SamplingRequest(Strict):
         None, description="token id (a string, as in JSON) -> bias", json_schema_extra=_only_token_id_keys)
     min_tokens: integer(ge=0) = 0
     skip_special_tokens: bool = Field(True, description="vLLM's: leave special tokens out of the text")
-    user: str | None = Field(None, description="an end-user id for the logs; it changes no output")
+    user: str | None = Field(None, description="an end-user id, in the request's DEBUG log line; it changes no output")
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict | str | None = Field(None, description="vLLM's: a JSON schema the output matches")
@@ -494,7 +494,7 @@ class EmbeddingRequest(Strict):
             description="a text, texts, token ids or lists of them (at most 2048); none empty")
     encoding_format: Literal["float", "base64"] = Field("float", description="base64: each vector's float32 "
                                                         "bytes, little-endian")
-    user: str | None = Field(None, description="an end-user id for the logs; it changes no output")
+    user: str | None = Field(None, description="an end-user id, in the request's DEBUG log line; it changes no output")
 
     @field_validator("input", mode="before")
     @classmethod

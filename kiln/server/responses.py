@@ -208,7 +208,7 @@ def chat_of(body: ResponsesRequest, store: ResponseStore) -> tuple[ChatCompletio
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     chat: dict = {"model": body.model, "messages": system + conversation, "temperature": body.temperature,
                   "top_p": body.top_p, "parallel_tool_calls": body.parallel_tool_calls,
-                  "max_completion_tokens": body.max_output_tokens}
+                  "max_completion_tokens": body.max_output_tokens, "user": body.user}
     if body.tools:
         chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                          for t in body.tools]

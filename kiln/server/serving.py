@@ -130,6 +130,9 @@ class Server:
         limits = [self.max_tokens(len(ids), max_tokens) for ids, _ in prompts]
         requests = [(ids, request.sampling_params(limit, logprobs, i, prompt_logprobs, structured), text)
                     for (ids, text), limit in zip(prompts, limits) for i in range(count or request.n)]
+        logger.debug("%s: %d prompt(s) of %s tokens, %d sequence(s) each, max_tokens %s, user %r",
+                     type(request).__name__, len(prompts), [len(ids) for ids, _ in prompts][:8], count or request.n,
+                     max_tokens, request.user)
         return await self.engine.add_all(requests, count or request.n)
 
     def token_text(self, token_id: int) -> str:
@@ -379,6 +382,8 @@ async def embed(server: Server, body: EmbeddingRequest, request: Request) -> Res
     server.engine.admit(_prompt_count(body.input))
     prompts = await off_loop(server.completion_prompts, body.input)
     params = SamplingParams(max_tokens=1, pooling=server.config.pooling)
+    logger.debug("EmbeddingRequest: %d input(s) of %s tokens, user %r", len(prompts), [len(ids) for ids, _ in prompts][:8],
+                 body.user)
     streams = await server.engine.add_all([(ids, params, text) for ids, text in prompts])
     done = await finals(streams, request)
     if done is None:

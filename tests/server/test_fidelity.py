@@ -283,6 +283,16 @@ def test_special_tokens_are_left_out_of_the_text_unless_asked(client, eager):
     assert kept.text == spelled * 3
 
 
+def test_the_user_field_reaches_the_request_log(base, caplog):
+    """`user` changes no output and is written in the request's DEBUG line, as the docs say."""
+    with caplog.at_level("DEBUG", logger="kiln.server.serving"):
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+                           ("/v1/embeddings", {"input": "hi"})):
+            assert httpx.post(base + path, json={"model": MODEL, "user": "alice-7", **body}).status_code == 200
+    lines = [r.getMessage() for r in caplog.records if "alice-7" in r.getMessage()]
+    assert [line.split(":")[0] for line in lines] == ["ChatCompletionRequest", "EmbeddingRequest"], lines
+
+
 def _chat_stop(client, token: int):
     """A chat answer stopped by `token`, which it is made to say first."""
     return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
