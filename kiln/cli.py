@@ -575,14 +575,15 @@ def _add_serve_parser(sub) -> None:
 
 
 def _add_demo_parser(sub) -> None:
-    from kiln.models.demo import DEMO_ARCHS, TRAIN_STEPS
+    from kiln.models.demo import DEMO_ARCHS, MOE_DEMO_ARCHS, TRAIN_STEPS
 
     demo = sub.add_parser("demo-model", help="write a tiny model kiln can run (nothing is downloaded)",
                           description="Write a tiny Hugging Face-format model and a byte-level BPE tokenizer, "
                           "both trained on a short text shipped with kiln (training takes seconds on 2 cores; "
                           "--train-steps 0 keeps the random weights).")
     demo.add_argument("out_dir", metavar="OUT_DIR")
-    demo.add_argument("--arch", default="llama", choices=DEMO_ARCHS, help="architecture (default llama)")
+    demo.add_argument("--arch", default="llama", choices=DEMO_ARCHS + MOE_DEMO_ARCHS, help="architecture (default "
+                      "llama; qwen3_moe and mixtral are mixture-of-experts)")
     demo.add_argument("--num-layers", type=at_least(1), default=4, metavar="N", help="decoder layers (default 4)")
     demo.add_argument("--seed", type=int, default=0, help="weight init and training seed (default 0)")
     demo.add_argument("--train-steps", type=at_least(0), default=TRAIN_STEPS, metavar="N",

@@ -13,6 +13,7 @@ from kiln.kernels.collective import (all_gather, all_reduce, all_reduce_fused_ad
                                      all_reduce_fused_add_rms_norm_quant)
 from kiln.kernels.fused_quant import fused_add_rms_norm_quant, rms_norm_quant, silu_and_mul_quant
 from kiln.kernels.kv_cache import kv_cache_write
+from kiln.kernels.moe import fused_moe
 from kiln.kernels.norm import fused_add_rms_norm, rms_norm
 from kiln.kernels.packed_linear import onednn_int8_linear, onednn_linear
 from kiln.kernels.quant import quant_fp8, quant_int8, quantize_weight, scaled_mm
@@ -29,6 +30,7 @@ __all__ = [
     "attention_quant",
     "fused_add_rms_norm",
     "fused_add_rms_norm_quant",
+    "fused_moe",
     "kv_cache_write",
     "onednn_int8_linear",
     "onednn_linear",

@@ -28,6 +28,7 @@ class ArchSpec:
     o_bias: bool | None = None  # likewise, for the output projection
     qk_norm: bool = False
     uses_sliding_window_flag: bool = False  # Qwen: `sliding_window` counts only if `use_sliding_window`
+    moe: str | None = None  # a mixture-of-experts family: "qwen3" or "mixtral" (`MoeSpec.of`)
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -35,7 +36,40 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "MistralForCausalLM": ArchSpec(qkv_bias=False, o_bias=False),
     "Qwen2ForCausalLM": ArchSpec(qkv_bias=True, o_bias=False, uses_sliding_window_flag=True),
     "Qwen3ForCausalLM": ArchSpec(qk_norm=True, uses_sliding_window_flag=True),
+    "Qwen3MoeForCausalLM": ArchSpec(qk_norm=True, uses_sliding_window_flag=True, moe="qwen3"),
+    "MixtralForCausalLM": ArchSpec(qkv_bias=False, o_bias=False, moe="mixtral"),
 }
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """A mixture-of-experts MLP in every layer: each token's `top_k` of `num_experts` SiLU-gated experts,
+    weighted by the router's softmax at them (renormalized to sum to 1 if `renormalize`)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    """Each expert's."""
+    renormalize: bool
+    module: str
+    """The checkpoint's name of a layer's MoE block: "mlp" (Qwen3-MoE) or "block_sparse_moe" (Mixtral)."""
+    expert_names: tuple[str, str, str]
+    """The checkpoint's names of each expert's gate, up and down projections."""
+
+    @classmethod
+    def of(cls, family: str, hf: dict) -> "MoeSpec":
+        experts = hf.get("num_experts") or hf.get("num_local_experts")
+        if not experts or not hf.get("num_experts_per_tok"):
+            raise KilnError("a mixture-of-experts config.json needs num_experts (or num_local_experts) and "
+                            "num_experts_per_tok")
+        if family == "mixtral":
+            return cls(experts, hf["num_experts_per_tok"], hf["intermediate_size"], True, "block_sparse_moe",
+                       ("w1", "w3", "w2"))
+        if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+            raise KilnError("Qwen3-MoE with dense layers among the sparse ones (mlp_only_layers, decoder_sparse_step "
+                            "other than 1) is not supported: kiln runs models whose every layer is MoE")
+        return cls(experts, hf["num_experts_per_tok"], hf.get("moe_intermediate_size") or hf["intermediate_size"],
+                   bool(hf.get("norm_topk_prob", False)), "mlp", ("gate_proj", "up_proj", "down_proj"))
 
 
 @dataclass
@@ -60,6 +94,8 @@ class ModelConfig:
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     quantization: CheckpointQuantization | None = None  # a pre-quantized (compressed-tensors) checkpoint
+    moe: MoeSpec | None = None
+    """Mixture-of-experts layers (their MLP is experts and a router); None: dense."""
     dtype: str | None = None
     """The checkpoint's dtype as config.json states it (`torch_dtype`, transformers 5's `dtype`)."""
 
@@ -133,6 +169,7 @@ class ModelConfig:
             sliding_window=window,
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
             quantization=parse_quantization_config(hf.get("quantization_config")),
+            moe=MoeSpec.of(spec.moe, hf) if spec.moe else None,
             dtype=_dtype_name(hf.get("dtype") or hf.get("torch_dtype")),
         )
 

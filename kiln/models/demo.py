@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"
 DEMO_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+MOE_DEMO_ARCHS = ("qwen3_moe", "mixtral")
+"""Mixture-of-experts demo models: `kiln demo-model --arch`, and the MoE tests, which build their own."""
 TRAIN_STEPS = 200  # enough for the 4-layer demo llama to repeat its corpus, in seconds on 2 CPU cores
 
 
@@ -57,7 +59,17 @@ def _arch_config(arch: str, vocab_size: int, eos_id: int, num_layers: int, hidde
         return tf.Qwen3Config(
             hidden_size=hidden_size, intermediate_size=2 * hidden_size, head_dim=64,
             num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True, **common)
-    raise ValueError(f"unknown demo arch {arch!r}; choose from {', '.join(DEMO_ARCHS)}")
+    if arch == "qwen3_moe":  # 8 experts of 64, top 2 renormalized, q/k norm, tied
+        return tf.Qwen3MoeConfig(
+            hidden_size=hidden_size, intermediate_size=2 * hidden_size, moe_intermediate_size=hidden_size // 4,
+            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, head_dim=64, num_attention_heads=4,
+            num_key_value_heads=2, tie_word_embeddings=True, **common)
+    if arch == "mixtral":  # 4 experts of hidden_size / 2, top 2, GQA 2:1, untied
+        return tf.MixtralConfig(
+            hidden_size=hidden_size, intermediate_size=hidden_size // 2, num_local_experts=4, num_experts_per_tok=2,
+            num_attention_heads=hidden_size // head_dim, num_key_value_heads=max(1, hidden_size // head_dim // 2),
+            tie_word_embeddings=False, **common)
+    raise ValueError(f"unknown demo arch {arch!r}; choose from {', '.join(DEMO_ARCHS + MOE_DEMO_ARCHS)}")
 
 
 def corpus() -> str:

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) on kiln ops.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; with `kiln.models.moe`'s MLP, Qwen3-MoE and
+Mixtral) on kiln ops.
 
 forward(input_ids, positions, kv_caches, attn_metadata) -> hidden_states is the compiled region;
 the LM head (`compute_logits`) runs outside it. Every per-layer tensor (weights, KV cache) reaches
@@ -17,6 +18,7 @@ from kiln.kernels import AttentionMetadata
 from kiln.config import ParallelConfig
 from kiln.kernels.rotary import rope_cos_sin_cache
 from kiln.models.config import ModelConfig
+from kiln.models.moe import SparseMoeBlock
 from kiln.models.tensor_parallel import RankLayout
 
 ops = torch.ops.kiln
@@ -87,7 +89,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layout: RankLayout, group_name: str, dtype: torch.dtype):
         super().__init__()
         self.self_attn = Attention(cfg, layout, group_name, dtype)
-        self.mlp = MLP(cfg, layout, group_name, dtype)
+        self.ffn = cfg.moe.module if cfg.moe is not None else "mlp"  # the checkpoint's name for it
+        self.add_module(self.ffn, SparseMoeBlock(cfg, dtype) if cfg.moe is not None else
+                        MLP(cfg, layout, group_name, dtype))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -98,7 +102,7 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm.add_forward(x, residual)
         x = self.self_attn(positions, x, cos_sin_cache, kv_cache, meta)
         x, residual = self.post_attention_layernorm.add_forward(x, residual)
-        return self.mlp(x), residual
+        return getattr(self, self.ffn)(x), residual
 
 
 class DecoderModel(nn.Module):

@@ -47,6 +47,9 @@ class RankLayout:
     def of(cls, cfg: ModelConfig, parallel: ParallelConfig = ParallelConfig()) -> "RankLayout":
         """The layout of `cfg` on `parallel.rank`; KilnError when the model does not split evenly."""
         n, r = parallel.world_size, parallel.rank
+        if cfg.moe is not None and n > 1:
+            raise KilnError(f"tensor parallelism over {cfg.architecture}'s experts is not supported yet: serve "
+                            "it on one rank (--tensor-parallel-size 1)")
         problems = [f"{name} {value} is not divisible by the tensor parallel size {n}"
                     for name, value in (("num_attention_heads", cfg.num_heads),
                                         ("intermediate_size", cfg.intermediate_size)) if value % n]

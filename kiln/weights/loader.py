@@ -19,6 +19,7 @@ from kiln.errors import KilnError
 from kiln.kernels import quantize_weight
 from kiln.kernels.quant import ACT_BLOCK, INT4_GROUP, quantize_weight_grouped, quantize_weight_int4
 from kiln.models.llama import CausalLM
+from kiln.models.moe import expert_sources
 from kiln.models.quantization import SCHEMES, int4_group
 from kiln.models.tensor_parallel import Shard
 from kiln.weights.checkpoint import PROJECTION_WEIGHTS, checkpoint_files, open_checkpoint
@@ -56,6 +57,9 @@ def _sources(model: CausalLM, pname: str, param: torch.Tensor) -> list[tuple[str
     """The checkpoint tensors that make up kiln parameter `pname`: (name, row offset, rows). A merged
     projection (qkv, gate_up) stacks its Hugging Face slices along rows; its one static `input_scale`
     is shared by all of them."""
+    experts = expert_sources(model.config, pname)
+    if experts is not None:
+        return experts
     merged = next((m for m, _ in model.stacked_params.values() if f".{m}." in pname), None)
     if merged is None:
         return [(pname, 0, param.shape[0] if param.dim() else 1)]
