@@ -54,14 +54,13 @@ def _teacher_forced_agreement(llm: LLM, reference) -> float:
     """Share of positions where the quantized model's next greedy token equals the reference's,
     given the reference's own prefix. Free-running greedy text diverges for good at its first
     near-tie (a one-word prompt that opens several sentences of the corpus), which measures the
-    prompt more than the quantization; this counts every position on its own."""
-    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    agree = total = 0
-    for ref in reference:
-        outs = llm.generate([ref.prompt_token_ids + ref.token_ids[:i] for i in range(len(ref.token_ids))], one)
-        agree += sum(o.token_ids[0] == t for o, t in zip(outs, ref.token_ids))
-        total += len(ref.token_ids)
-    return agree / total
+    prompt more than the quantization; this counts every position on its own, from one prefill of each
+    reference whole: a position agrees where the reference's token is the most likely (rank 1)."""
+    scored = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    outs = llm.generate([ref.prompt_token_ids + ref.token_ids for ref in reference], scored)
+    ranks = [r for ref, out in zip(reference, outs) for r in out.prompt_ranks[len(ref.prompt_token_ids):]]
+    assert len(ranks) == sum(len(ref.token_ids) for ref in reference)
+    return sum(r == 1 for r in ranks) / len(ranks)
 
 
 @pytest.fixture(scope="module")
