@@ -59,16 +59,18 @@ def _arch_config(arch: str, vocab_size: int, eos_id: int, num_layers: int, hidde
         return tf.Qwen3Config(
             hidden_size=hidden_size, intermediate_size=2 * hidden_size, head_dim=64,
             num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True, **common)
-    if arch == "qwen3_moe":  # 8 experts of 64, top 2 renormalized, q/k norm, tied
+    # The MoE demos' attention is their dense twin's (qwen3's, mistral's without the window): the pieces up to
+    # the first attention are the same compile, which the piece cache shares.
+    if arch == "qwen3_moe":  # 8 experts of hidden_size / 4, top 2 renormalized, q/k norm, tied
         return tf.Qwen3MoeConfig(
             hidden_size=hidden_size, intermediate_size=2 * hidden_size, moe_intermediate_size=hidden_size // 4,
-            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, head_dim=64, num_attention_heads=4,
+            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, head_dim=64, num_attention_heads=6,
             num_key_value_heads=2, tie_word_embeddings=True, **common)
     if arch == "mixtral":  # 4 experts of hidden_size / 2, top 2, GQA 2:1, untied
         return tf.MixtralConfig(
             hidden_size=hidden_size, intermediate_size=hidden_size // 2, num_local_experts=4, num_experts_per_tok=2,
             num_attention_heads=hidden_size // head_dim, num_key_value_heads=max(1, hidden_size // head_dim // 2),
-            tie_word_embeddings=False, **common)
+            rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, **common)
     raise ValueError(f"unknown demo arch {arch!r}; choose from {', '.join(DEMO_ARCHS + MOE_DEMO_ARCHS)}")
 
 

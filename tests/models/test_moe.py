@@ -58,7 +58,7 @@ def test_a_token_reads_only_its_experts_weights():
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("moe")
-    return {arch: write_demo_model(root / arch, arch=arch, num_layers=2, hidden_size=128, train_steps=0)
+    return {arch: write_demo_model(root / arch, arch=arch, num_layers=2, train_steps=0)
             for arch in MOE_DEMO_ARCHS}
 
 
