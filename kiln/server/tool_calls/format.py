@@ -22,6 +22,14 @@ def held_back(text: str, marker: str) -> int:
     return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1) if marker.startswith(text[-n:])), 0)
 
 
+def before_marker(text: str, sent: int, marker: str, finished: bool) -> tuple[str, int, bool]:
+    """(the content from `sent` up to `marker` or the end, where it stops, whether the marker was found);
+    while the answer runs, a tail that may begin the marker is held back."""
+    start = text.find(marker, sent)
+    end = start if start >= 0 else len(text) - (0 if finished else held_back(text, marker))
+    return text[sent:end], end, start >= 0
+
+
 def openai_call(call: object, keys: tuple[str, ...] = ("arguments",)) -> dict | None:
     """A model's call {"name": str, <one of keys>: object} in OpenAI's shape (arguments as a JSON string),
     or None if it has not that shape."""

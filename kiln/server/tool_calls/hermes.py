@@ -6,7 +6,7 @@ import re
 from collections.abc import Callable
 
 from kiln.server.protocol import Tool
-from kiln.server.tool_calls.format import CallParser, ToolFormat, decode_json, held_back, openai_call
+from kiln.server.tool_calls.format import CallParser, ToolFormat, before_marker, decode_json, openai_call
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(r"\s*<tool_call>(.*?)</tool_call>", re.S)
@@ -50,9 +50,7 @@ class BlockParser(CallParser):
     def delta(self, text: str, finished: bool) -> dict:
         content, calls = "", []
         if not self._in_calls:
-            start = text.find(OPEN, self.sent)
-            end = start if start >= 0 else len(text) - (0 if finished else held_back(text, OPEN))
-            content, self.sent, self._in_calls = text[self.sent:end], end, start >= 0
+            content, self.sent, self._in_calls = before_marker(text, self.sent, OPEN, finished)
         while self._in_calls:
             close = text.find(CLOSE, max(self._scanned, self.sent))
             if close < 0:  # an open block: nothing to parse until it closes

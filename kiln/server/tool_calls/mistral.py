@@ -6,7 +6,7 @@ answer. Grammars hold calls to the array form."""
 import re
 
 from kiln.server.protocol import Tool
-from kiln.server.tool_calls.format import CallParser, ToolFormat, decode_json, held_back, openai_call
+from kiln.server.tool_calls.format import CallParser, ToolFormat, before_marker, decode_json, openai_call
 
 MARKER = "[TOOL_CALLS]"
 _NAMED = re.compile(r"([A-Za-z0-9_.\-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]")
@@ -41,9 +41,7 @@ class MistralParser(CallParser):
     def delta(self, text: str, finished: bool) -> dict:
         content, calls = "", []
         if not self._in_calls:
-            start = text.find(MARKER, self.sent)
-            end = start if start >= 0 else len(text) - (0 if finished else held_back(text, MARKER))
-            content, self.sent, self._in_calls = text[self.sent:end], end, start >= 0
+            content, self.sent, self._in_calls = before_marker(text, self.sent, MARKER, finished)
         while self._in_calls:
             at = self.sent
             while True:  # past whitespace and markers
