@@ -1,7 +1,7 @@
 """Session-wide fixtures: tiny demo models are written once per test run and shared.
 
-Writing them trains each for a few minutes; `KILN_TEST_DEMO_CACHE=DIR` copies them from DIR instead
-(written there on first use), for quick runs of a few tests while developing."""
+Writing them trains each for half a minute (side by side, `tests.demo_models`); `KILN_TEST_DEMO_CACHE=DIR`
+copies them from DIR instead (written there on first use), for quick runs of a few tests while developing."""
 
 import os
 import shutil
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.models.demo import DEMO_ARCHS, write_demo_model
+from kiln.models.demo import DEMO_ARCHS, MOE_DEMO_ARCHS, write_demo_model
+from tests.demo_models import write_demo_models
 
 
 @pytest.fixture(scope="session")
@@ -19,14 +20,20 @@ def demo_dirs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("demo")
     cache = os.environ.get("KILN_TEST_DEMO_CACHE")
     if not cache:
-        return {arch: write_demo_model(root / arch, arch=arch) for arch in DEMO_ARCHS}
-    dirs = {}
-    for arch in DEMO_ARCHS:
-        kept = Path(cache) / arch
-        if not kept.is_dir():
-            write_demo_model(kept.with_name("." + arch), arch=arch).rename(kept)
-        dirs[arch] = Path(shutil.copytree(kept, root / arch))
-    return dirs
+        return write_demo_models({arch: root / arch for arch in DEMO_ARCHS})
+    missing = {arch: Path(cache) / f".{arch}" for arch in DEMO_ARCHS if not (Path(cache) / arch).is_dir()}
+    if missing:
+        for arch, written in write_demo_models(missing).items():
+            written.rename(Path(cache) / arch)
+    return {arch: Path(shutil.copytree(Path(cache) / arch, root / arch)) for arch in DEMO_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def moe_dirs(tmp_path_factory) -> dict:
+    """One tiny mixture-of-experts model per MoE architecture: two layers, random weights (untrained: a
+    MoE demo trains slowly, and the tests compare numbers, not text)."""
+    root = tmp_path_factory.mktemp("moe")
+    return {arch: write_demo_model(root / arch, arch=arch, num_layers=2, train_steps=0) for arch in MOE_DEMO_ARCHS}
 
 
 @pytest.fixture(scope="session")
