@@ -90,7 +90,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, layout, group_name, dtype)
         self.ffn = cfg.moe.module if cfg.moe is not None else "mlp"  # the checkpoint's name for it
-        self.add_module(self.ffn, SparseMoeBlock(cfg, dtype) if cfg.moe is not None else
+        reduce = group_name if layout.world_size > 1 else None
+        self.add_module(self.ffn, SparseMoeBlock(cfg, layout.moe_intermediate_size, reduce, dtype) if cfg.moe else
                         MLP(cfg, layout, group_name, dtype))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)

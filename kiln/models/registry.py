@@ -35,9 +35,9 @@ def create_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.devic
     overwrites them), with quantized projections when the checkpoint is quantized, or when `quantize`
     names a scheme for a full-precision one: the loader then quantizes each projection as it reads it
     (`quantize_on_load`), so the full-precision projections are never all in memory."""
-    if cfg.moe is not None and (cfg.quantization is not None or quantize is not None):
-        raise KilnError(f"quantizing {cfg.architecture}'s experts is not supported yet: serve it in full precision "
-                        "(no --quantization, and a checkpoint that is not pre-quantized)")
+    if cfg.moe is not None and cfg.quantization is not None:
+        raise KilnError(f"pre-quantized {cfg.architecture} checkpoints are not supported yet: use its full-precision "
+                        "checkpoint, with --quantization to quantize it while loading")
     with torch.device("meta"), _skip_random_init():
         model = MODEL_CLASSES[cfg.architecture](cfg, dtype, parallel)
         if cfg.quantization is not None:

@@ -10,8 +10,9 @@ from kiln.weights.gguf_file import GgufFile
 from kiln.weights.safetensors_file import SafetensorsFile
 
 PROJECTION_WEIGHTS = tuple(f".{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                       "down_proj"))
-"""A decoder's projection weights (Hugging Face's names): what `--quantization` quantizes."""
+                                                       "down_proj", "w1", "w2", "w3"))
+"""A decoder's projection weights (Hugging Face's names; w1, w2, w3: Mixtral's experts'): what `--quantization`
+quantizes."""
 
 INDEX_FILE = "model.safetensors.index.json"
 """A sharded checkpoint's map of tensor names to files."""

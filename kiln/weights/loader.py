@@ -57,7 +57,7 @@ def _sources(model: CausalLM, pname: str, param: torch.Tensor) -> list[tuple[str
     """The checkpoint tensors that make up kiln parameter `pname`: (name, row offset, rows). A merged
     projection (qkv, gate_up) stacks its Hugging Face slices along rows; its one static `input_scale`
     is shared by all of them."""
-    experts = expert_sources(model.config, pname)
+    experts = expert_sources(model.config, pname, model.layout.moe_intermediate_size)
     if experts is not None:
         return experts
     merged = next((m for m, _ in model.stacked_params.values() if f".{m}." in pname), None)

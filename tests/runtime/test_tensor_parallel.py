@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.models.demo import DEMO_ARCHS
+from kiln.models.demo import DEMO_ARCHS, MOE_DEMO_ARCHS
 from tests.processes import free_port, processes_with, run_ranks, serving
 from tests.quant_checkpoints import write_compressed
 
@@ -31,10 +31,15 @@ from kiln.compiler.counters import counters
 dirs, cache, prompts, compiled, w4a16 = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]), sys.argv[4], \
     sys.argv[5]
 greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+SCORED = [5, 17, 99, 200, 31, 7, 300, 12]
 out = {"eager": {}, "compiled": {}}
 for arch, model_dir in dirs.items():
     eager = LLM(model_dir, tensor_parallel_size=2).generate(prompts, greedy)
     out["eager"][arch] = [o.token_ids for o in eager]
+    if arch in ("qwen3_moe", "mixtral"):
+        int8 = LLM(model_dir, tensor_parallel_size=2, quantization="int8")
+        scored = int8.generate([SCORED], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+        out["eager"][arch + "_int8"] = scored.prompt_logprobs[1:]
     if arch not in compiled.split(","):
         continue
     llm = LLM(model_dir, tensor_parallel_size=2, compile=True, cache_dir=cache)
@@ -69,13 +74,13 @@ def w4a16_llama(demo_dirs, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(demo_dirs, kiln_cache, w4a16_llama) -> list[dict]:
+def two_ranks(demo_dirs, moe_dirs, kiln_cache, w4a16_llama) -> list[dict]:
     """What each of two ranks generated; the llama's artifact was compiled first by one `kiln compile`."""
     compiled = subprocess.run([sys.executable, "-m", "kiln", "compile", str(demo_dirs["llama"]), "--cache-dir",
                                str(kiln_cache), "--tensor-parallel-size", "2"], capture_output=True, text=True)
     assert compiled.returncode == 0, compiled.stderr[-3000:]
     assert "allreduce_rms" in compiled.stdout
-    dirs = {arch: str(demo_dirs[arch]) for arch in DEMO_ARCHS}
+    dirs = {arch: str(d) for arch, d in {**demo_dirs, **moe_dirs}.items()}
     args = [json.dumps(dirs), str(kiln_cache), json.dumps(PROMPTS), ",".join(COMPILED), str(w4a16_llama)]
     return run_ranks(RANK, args, timeout=900)
 
@@ -91,6 +96,21 @@ def test_two_ranks_generate_what_one_does(two_ranks, demo_dirs, arch):
     assert two_ranks[0]["eager"][arch] == one
     if arch in COMPILED:
         assert two_ranks[0]["compiled"][arch] == one
+
+
+@pytest.mark.parametrize("arch", MOE_DEMO_ARCHS)
+def test_experts_split_over_two_ranks_generate_what_one_does(two_ranks, moe_dirs, arch):
+    """Each rank holds every expert's half of the intermediate dimension; the block's output is summed over
+    ranks: in full precision the tokens of one rank. In int8 (each rank quantizing its share as it loads) a
+    row-parallel projection's scales are each rank's half-row's, so the prompt's logprobs come near one
+    rank's, not equal (measured up to 0.03 apart, as far as int8 is from full precision)."""
+    one = LLM(moe_dirs[arch]).generate(PROMPTS, GREEDY)
+    assert two_ranks[0]["eager"][arch] == [o.token_ids for o in one]
+    scored = [5, 17, 99, 200, 31, 7, 300, 12]
+    one_int8 = LLM(moe_dirs[arch], quantization="int8").generate([scored], SamplingParams(max_tokens=1,
+                                                                                         prompt_logprobs=0))
+    got = two_ranks[0]["eager"][arch + "_int8"]
+    assert max(abs(a - b) for a, b in zip(got, one_int8[0].prompt_logprobs[1:])) < 0.1
 
 
 def test_int8_splits_and_fuses_allreduce_with_norm_and_quant(two_ranks, demo_dirs):

@@ -19,7 +19,21 @@ from kiln.weights.loader import load_weights
 @pytest.mark.parametrize("scheme", ["int8", "w7a8", "fp8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_same_weights_as_quantizing_after_loading(demo_dirs, scheme, dtype):
-    model_dir = demo_dirs["qwen2"]  # biased q/k/v
+    _check_streamed_equals_after(demo_dirs["qwen2"], scheme, dtype)  # biased q/k/v
+
+
+@pytest.mark.parametrize("scheme", ["int8", "q8_0", "int4"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_experts_are_quantized_expert_by_expert_as_they_load(moe_dirs, arch, scheme):
+    """Each expert's checkpoint tensors land in their rows of the stacked experts, quantized there: the
+    codes, scales (and int4's minimums) of quantizing the loaded stack."""
+    got = _check_streamed_equals_after(moe_dirs[arch], scheme, torch.bfloat16)
+    ffn = "mlp" if arch == "qwen3_moe" else "block_sparse_moe"
+    codes = got[f"model.layers.1.{ffn}.experts.down_proj.weight"]
+    assert codes.dtype == (torch.uint8 if scheme == "int4" else torch.int8)
+
+
+def _check_streamed_equals_after(model_dir, scheme: str, dtype: torch.dtype) -> dict:
     cfg = ModelConfig.from_model_dir(model_dir)
     streamed = create_model(cfg, dtype, quantize=scheme)
     load_weights(streamed, model_dir)
@@ -31,6 +45,7 @@ def test_the_same_weights_as_quantizing_after_loading(demo_dirs, scheme, dtype):
     for name, p in want.items():  # bit for bit (fp8 compared as bytes)
         bits = (lambda t: t.view(torch.uint8)) if p.element_size() == 1 else (lambda t: t)
         assert got[name].dtype == p.dtype and torch.equal(bits(got[name]), bits(p)), name
+    return got
 
 
 PEAK = """
@@ -72,15 +87,17 @@ def test_loading_int8_never_holds_the_full_precision_projections(tmp_path):
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_the_memory_check_counts_the_quantized_bytes(demo_dirs, arch, scheme):
-    """What `LLM` checks against the memory available before loading: the bytes the model then holds."""
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mixtral"])
+def test_the_memory_check_counts_the_quantized_bytes(demo_dirs, moe_dirs, arch, scheme):
+    """What `LLM` checks against the memory available before loading: the bytes the model then holds
+    (Mixtral's experts named w1, w2, w3)."""
     from kiln.weights.model_weights import ModelWeights
 
-    cfg = ModelConfig.from_model_dir(demo_dirs[arch])
+    model_dir = {**demo_dirs, **moe_dirs}[arch]
+    cfg = ModelConfig.from_model_dir(model_dir)
     for dtype in (torch.float32, torch.bfloat16):
         model = create_model(cfg, dtype, quantize=scheme)
-        load_weights(model, demo_dirs[arch])
+        load_weights(model, model_dir)
         held = sum(p.numel() * p.element_size() for p in model.parameters())
-        weights = ModelWeights(demo_dirs[arch])
+        weights = ModelWeights(model_dir)
         assert weights.bytes_in(dtype, quantize=scheme) == held < weights.bytes_in(dtype)
