@@ -196,6 +196,19 @@ def test_decode_weight_bytes_count_the_head_once_and_no_embedding_lookup(demo_di
     assert decode_weight_bytes(full, screened=True) == expected_int8(full, full.lm_head_weight())
 
 
+def test_decode_weight_bytes_count_a_tokens_top_k_experts(moe_dirs):
+    """Mixtral's demo: 4 experts, top 2 (int8: codes and a scale a row, all per expert)."""
+    from kiln import LLM
+    from kiln.bench.decode import decode_weight_bytes
+
+    for quantization in (None, "int8"):
+        model = LLM(moe_dirs["mixtral"], quantization=quantization).model
+        params = dict(model.named_parameters())
+        size = {n: p.numel() * p.element_size() for n, p in params.items() if n != "model.embed_tokens.weight"}
+        experts = sum(b for n, b in size.items() if ".experts." in n)
+        assert decode_weight_bytes(model) == sum(size.values()) - experts // 2
+
+
 def expected_int8(model, head):
     rest = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                if n not in ("model.embed_tokens.weight", "lm_head.weight"))

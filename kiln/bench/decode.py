@@ -2,7 +2,7 @@
 the memory-bandwidth floor.
 
 A decode step reads every weight once (the projections and the LM head; an embedding lookup reads only
-the batch's rows), so no step can take less than those bytes over the machine's read bandwidth. The
+the batch's rows; a mixture-of-experts layer at least its top-k experts), so no step can take less than those bytes over the machine's read bandwidth. The
 bandwidth is measured here, on the same threads, over 512 MiB (far more than the CPU's caches), as
 the faster of two reads: the best of a few plain sums, and the best of a few batch-1 calls of kiln's
 int8 panel GEMM (where it runs), which streams a weight as a decode step does. Either alone can
@@ -82,7 +82,9 @@ def bandwidth_probe(repeats: int = 5) -> Callable[[], dict[str, float]]:
 def decode_weight_bytes(model, screened: bool = False) -> int:
     """The bytes of weights one decode step reads: every parameter but the embedding table (looked up
     by row), plus the LM head as it runs (int8 codes and scales for an int8 head, and for the copy a
-    `GreedyScreen` reads for greedy tokens when `screened`)."""
+    `GreedyScreen` reads for greedy tokens when `screened`). A mixture-of-experts layer counts the top-k
+    experts a token reads, the fewest any step reads (a batch's tokens may all choose the same ones)."""
+    from kiln.models.moe import SparseMoeBlock
     from kiln.weights.packing import RELEASED
 
     head = model.lm_head_weight()
@@ -90,6 +92,10 @@ def decode_weight_bytes(model, screened: bool = False) -> int:
     total = sum(shape.numel() * model.get_parameter(name).element_size() for name, shape in released.items())
     total += sum(p.numel() * p.element_size() for p in model.parameters() if p is not head
                  and p is not model.model.embed_tokens.weight)
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock):
+            experts = sum(p.numel() * p.element_size() for p in block.experts.parameters())
+            total -= experts - experts * block.top_k // block.experts.num
     kernel = model.lm_head_kernel
     if screened or kernel is not None and hasattr(kernel, "scale"):  # int8: one byte a weight, a scale a row
         return total + head.numel() + head.shape[0] * 4
