@@ -1,7 +1,9 @@
 """Session-wide fixtures: tiny demo models are written once per test run and shared.
 
 Writing them trains each for half a minute (side by side, `tests.demo_models`); `KILN_TEST_DEMO_CACHE=DIR`
-copies them from DIR instead (written there on first use), for quick runs of a few tests while developing."""
+copies them from DIR instead (written there on first use), for quick runs of a few tests while developing.
+Under pytest-xdist (`-n 2`, the README's command) the workers of one run share the trained demos and the
+piece cache, so each is trained or compiled once per run, whichever worker needs it first."""
 
 import os
 import shutil
@@ -9,23 +11,43 @@ from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 from kiln.models.demo import DEMO_ARCHS, MOE_DEMO_ARCHS, write_demo_model
 from tests.demo_models import write_demo_models
+
+
+SLOWEST_FIRST = ("test_quality.py", "test_quantization.py", "test_artifact.py", "test_server.py", "test_workers.py",
+                 "test_compile.py", "test_moe.py", "test_tensor_parallel.py")
+"""Modules that take minutes (real-model perplexity, several compiles each), run first: xdist hands whole modules
+to its workers in collection order, and one of these collected last would leave the other worker idle meanwhile."""
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+def run_shared(tmp_path_factory, name: str) -> Path:
+    """A directory every xdist worker of this test run shares (this run's own one without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    path.mkdir(exist_ok=True)
+    return path
 
 
 @pytest.fixture(scope="session")
 def demo_dirs(tmp_path_factory) -> dict:
     """One tiny model per supported architecture (GQA, odd heads, tied/untied, llama3 rope)."""
     root = tmp_path_factory.mktemp("demo")
-    cache = os.environ.get("KILN_TEST_DEMO_CACHE")
-    if not cache:
-        return write_demo_models({arch: root / arch for arch in DEMO_ARCHS})
-    missing = {arch: Path(cache) / f".{arch}" for arch in DEMO_ARCHS if not (Path(cache) / arch).is_dir()}
-    if missing:
-        for arch, written in write_demo_models(missing).items():
-            written.rename(Path(cache) / arch)
-    return {arch: Path(shutil.copytree(Path(cache) / arch, root / arch)) for arch in DEMO_ARCHS}
+    cache = Path(os.environ.get("KILN_TEST_DEMO_CACHE") or run_shared(tmp_path_factory, "demo-cache"))
+    cache.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache / ".lock")):
+        missing = {arch: cache / f".{arch}" for arch in DEMO_ARCHS if not (cache / arch).is_dir()}
+        if missing:
+            for arch, written in write_demo_models(missing).items():
+                written.rename(cache / arch)
+    return {arch: Path(shutil.copytree(cache / arch, root / arch)) for arch in DEMO_ARCHS}
 
 
 @pytest.fixture(scope="session")
@@ -50,7 +72,7 @@ def shared_piece_cache(tmp_path_factory):
     """One piece cache for every artifact cache of the run, subprocesses included: a piece compiled
     for one test's artifact is reused by the next (AOTInductor compiles are not in Inductor's cache)."""
     with pytest.MonkeyPatch.context() as mp:
-        root = tmp_path_factory.mktemp("pieces")
+        root = run_shared(tmp_path_factory, "pieces")
         mp.setenv("KILN_PIECE_CACHE", str(root))
         yield root
 
