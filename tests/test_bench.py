@@ -200,9 +200,11 @@ def test_decode_weight_bytes_count_a_tokens_top_k_experts(moe_dirs):
     """Mixtral's demo: 4 experts, top 2 (int8: codes and a scale a row, all per expert)."""
     from kiln import LLM
     from kiln.bench.decode import decode_weight_bytes
+    from kiln.models.moe import SparseMoeBlock
 
     for quantization in (None, "int8"):
         model = LLM(moe_dirs["mixtral"], quantization=quantization).model
+        assert {(b.top_k, b.experts.num) for b in model.modules() if isinstance(b, SparseMoeBlock)} == {(2, 4)}
         params = dict(model.named_parameters())
         size = {n: p.numel() * p.element_size() for n, p in params.items() if n != "model.embed_tokens.weight"}
         experts = sum(b for n, b in size.items() if ".experts." in n)

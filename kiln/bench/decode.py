@@ -3,12 +3,12 @@ the memory-bandwidth floor.
 
 A decode step reads every weight once (the projections and the LM head; an embedding lookup reads only
 the batch's rows; a mixture-of-experts layer at least its top-k experts), so no step can take less than
-those bytes over the machine's read bandwidth. The bandwidth is measured here, on the same threads, over 512 MiB (far more than the CPU's caches), as
-the faster of two reads: the best of a few plain sums, and the best of a few batch-1 calls of kiln's
-int8 panel GEMM (where it runs), which streams a weight as a decode step does. Either alone can
-under-read a machine: on one Intel Xeon the sum read slower than the GEMM streams, which put a
-step "above" its floor. `floor_fraction` is that floor over the measured step: 1.0 would be reading
-the weights as fast as this machine was seen to read and doing nothing else.
+those bytes over the machine's read bandwidth. The bandwidth is measured here, on the same threads, over
+512 MiB (far more than the CPU's caches), as the faster of two reads: the best of a few plain sums, and
+the best of a few batch-1 calls of kiln's int8 panel GEMM (where it runs), which streams a weight as a
+decode step does. Either alone can under-read a machine: on one Intel Xeon the sum read slower than the
+GEMM streams, which put a step "above" its floor. `floor_fraction` is that floor over the measured step:
+1.0 would be reading the weights as fast as this machine was seen to read and doing nothing else.
 
 For each batch size B, B sequences of `--prompt-len` tokens are prefilled, then `--steps` decode steps
 are timed one by one (their median is the round's): `ms_per_token` is a step's time, the latency each
