@@ -3,10 +3,12 @@
 Writing them trains each for half a minute (side by side, `tests.demo_models`); `KILN_TEST_DEMO_CACHE=DIR`
 copies them from DIR instead (written there on first use), for quick runs of a few tests while developing.
 Under pytest-xdist (`-n 2`, the README's command) the workers of one run share the trained demos and the
-piece cache, so each is trained or compiled once per run, whichever worker needs it first."""
+piece cache, so each is trained or compiled once per run, whichever worker needs it first, and each worker runs
+on its own share of the CPUs (`pytest_configure`)."""
 
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,37 @@ SLOWEST_FIRST = ("test_quality.py", "test_quantization.py", "test_artifact.py", 
                  "test_compile.py", "test_moe.py", "test_tensor_parallel.py")
 """Modules that take minutes (real-model perplexity, several compiles each), run first: xdist hands whole modules
 to its workers in collection order, and one of these collected last would leave the other worker idle meanwhile."""
+
+
+def pytest_configure(config) -> None:
+    """Under xdist, each worker (and all it starts) runs on its own share of the CPUs. Unpinned, each worker's
+    torch ran on every core (kiln's default, `kiln.threads`) beside the other worker's threads and compilers:
+    OpenMP's barriers then wait on descheduled threads, and the real-model gates ran 3-4x slower than alone."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not worker or not count or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus, index, count = sorted(ALL_CPUS), int(worker.removeprefix("gw")), int(count)
+    share = len(cpus) // count
+    if share and index < count:
+        os.sched_setaffinity(0, cpus[index * share:(index + 1) * share])
+
+
+ALL_CPUS = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+"""The CPUs the run was given, before a worker is pinned to its share."""
+
+
+@contextmanager
+def on_all_cpus():
+    """Work the other worker waits for (training the demos) spreads over every CPU, children included."""
+    if not ALL_CPUS:
+        yield
+        return
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, ALL_CPUS)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, mine)
 
 
 def pytest_collection_modifyitems(items: list) -> None:
@@ -45,7 +78,9 @@ def demo_dirs(tmp_path_factory) -> dict:
     with FileLock(str(cache / ".lock")):
         missing = {arch: cache / f".{arch}" for arch in DEMO_ARCHS if not (cache / arch).is_dir()}
         if missing:
-            for arch, written in write_demo_models(missing).items():
+            with on_all_cpus():
+                trained = write_demo_models(missing)
+            for arch, written in trained.items():
                 written.rename(cache / arch)
     return {arch: Path(shutil.copytree(cache / arch, root / arch)) for arch in DEMO_ARCHS}
 

@@ -160,9 +160,11 @@ def test_missing_artifact_with_require_artifact_fails(tmp_path, demo_dirs, compi
         LLM(demo_dirs["llama"], compile=compile, cache_dir=tmp_path, require_artifact=True)
 
 
-def test_concurrent_compiles_leave_one_artifact(tmp_path, demo_dirs):
+def test_concurrent_compiles_leave_one_artifact(tmp_path, demo_dirs, llama_artifact):
+    """Two processes compile one model into one cache (its pieces come from the run's piece cache: the race is
+    over the artifact, not the compile)."""
     cache = tmp_path / "cache"
-    cmd = [sys.executable, "-m", "kiln", "compile", str(demo_dirs["qwen2"]), "--cache-dir", str(cache), "-q"]
+    cmd = [sys.executable, "-m", "kiln", "compile", str(demo_dirs["llama"]), "--cache-dir", str(cache), "-q"]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     results = [(p.wait(timeout=600), p.stdout.read(), p.stderr.read()) for p in procs]
     assert all(rc == 0 for rc, _, _ in results), "\n".join(err[-4000:] for rc, _, err in results if rc)  # whole
