@@ -68,3 +68,14 @@ def batch_sizes(text: str) -> list[int]:
     if not batches or min(batches) < 1:
         raise argparse.ArgumentTypeError(f"batch sizes must be at least 1, got {text!r}")
     return batches
+
+
+def depths(text: str) -> list[int]:
+    """A comma-separated list of KV-cache depths in tokens, each at least 1: "32,2048,8192"."""
+    try:
+        values = [int(d) for d in text.split(",") if d.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected depths like 32,2048, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"depths must be at least 1 token, got {text!r}")
+    return values

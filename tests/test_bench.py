@@ -140,42 +140,80 @@ def test_chart_is_a_png_of_the_medians(tmp_path):
     assert imread(path).shape[:2] == (576, 960)  # 8 x 4.8 inches at 120 dpi
 
 
-def test_bench_decode_reports_each_batch_against_the_bandwidth_floor(demo_dirs, tmp_path, capsys):
+def test_bench_decode_reports_each_depth_and_batch_against_the_bandwidth_floor(demo_dirs, tmp_path, capsys):
     from kiln.cli import main
+    from kiln.models.config import ModelConfig
 
     out = tmp_path / "decode.json"
     assert main(["bench", "decode", str(demo_dirs["llama"]), "--batches", "1,3", "--steps", "3", "--out", str(out),
-                 "--threads", "1", "--rounds", "2"]) == 0
+                 "--threads", "1", "--rounds", "2", "--depth", "8,300"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report == json.loads(out.read_text())
-    assert set(report["batches"]) == {"1", "3"} and report["threads"] == 1 and report["compiled"] is False
+    assert set(report["depths"]) == {"8", "300"} and report["threads"] == 1 and report["compiled"] is False
+    cfg = ModelConfig.from_model_dir(demo_dirs["llama"])  # K and V of every layer, fp32
+    assert report["kv_bytes_per_token"] == cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
     rounds = report["rounds"]
     assert len(rounds) == 2
-    for batch, row in report["batches"].items():
-        assert row["tokens_per_s"] == pytest.approx(int(batch) / row["ms_per_token"] * 1e3, rel=1e-2)
-        assert row["ms_per_token"] == pytest.approx(statistics.median(r["ms_per_token"][batch] for r in rounds),
-                                                    abs=1e-3)
-        # each round's fraction pairs its own bandwidth reading with its own time; the report takes their median
-        for r in rounds:
-            floor_ms = report["weight_bytes_per_step"] / (r["read_bandwidth_gb_s"][batch] * 1e9) * 1e3
-            # rel for the rounded inputs, abs for the fraction's own rounding to 3 places (a slow step's is ~0.04)
-            assert r["floor_fraction"][batch] == pytest.approx(floor_ms / r["ms_per_token"][batch], rel=1e-2, abs=6e-4)
-        assert row["floor_fraction"] == pytest.approx(statistics.median(r["floor_fraction"][batch] for r in rounds),
-                                                      abs=1e-3)
+    for depth, batches in report["depths"].items():
+        assert set(batches) == {"1", "3"}
+        for batch, row in batches.items():
+            # a step reads the weights and each sequence's KV cache, D + 2 tokens on average over the 3 timed steps
+            kv = int(batch) * report["kv_bytes_per_token"] * (int(depth) + 2)
+            assert row["bytes_per_step"] == report["weight_bytes_per_step"] + kv
+            assert row["tokens_per_s"] == pytest.approx(int(batch) / row["ms_per_token"] * 1e3, rel=1e-2)
+            assert row["ms_per_token"] == pytest.approx(
+                statistics.median(r["ms_per_token"][depth][batch] for r in rounds), abs=1e-3)
+            # each round's fraction pairs its own bandwidth reading with its own time; the report takes the median
+            for r in rounds:
+                floor_ms = row["bytes_per_step"] / (r["read_bandwidth_gb_s"][depth][batch] * 1e9) * 1e3
+                # rel for the rounded inputs, abs for the fraction's own rounding to 3 places (a slow step's ~0.04)
+                assert r["floor_fraction"][depth][batch] == pytest.approx(
+                    floor_ms / r["ms_per_token"][depth][batch], rel=1e-2, abs=6e-4)
+            assert row["floor_fraction"] == pytest.approx(
+                statistics.median(r["floor_fraction"][depth][batch] for r in rounds), abs=1e-3)
     assert report["floor_ms_per_step"] == pytest.approx(
         report["weight_bytes_per_step"] / (report["read_bandwidth_gb_s"] * 1e9) * 1e3, rel=1e-2)
-    by = rounds[0]["read_bandwidth_by"]["1"]  # the floor takes the faster read: a sum's, or the int8 panel GEMM's
-    assert "sum" in by and rounds[0]["read_bandwidth_gb_s"]["1"] == pytest.approx(max(by.values()), abs=0.01)
+    by = rounds[0]["read_bandwidth_by"]["8"]["1"]  # the floor takes the faster read: a sum's, or the int8 panel GEMM's
+    assert "sum" in by and rounds[0]["read_bandwidth_gb_s"]["8"]["1"] == pytest.approx(max(by.values()), abs=0.01)
     from kiln.kernels import panel_linear
     assert ("gemv" in by) == (panel_linear.available((4096, 4096), torch.int8) is None)
 
 
-@pytest.mark.parametrize("option", ["--steps", "--prompt-len", "--rounds"])
+def test_decode_steps_are_timed_only_when_every_sequence_decodes_alone(demo_dirs):
+    """A prompt longer than the step's token budget prefills in chunks: those steps are not decode steps."""
+    from kiln import LLM
+    from kiln.bench.decode import decode_step_seconds
+
+    llm = LLM(demo_dirs["llama"], max_num_batched_tokens=64, threads=1)
+    steps = []
+    step = llm.engine.step
+
+    def counted():
+        outputs = step()
+        steps.append(llm.engine.step_tokens)
+        return outputs
+
+    llm.engine.step = counted
+    assert decode_step_seconds(llm, 2, 3, prompt_len=100) > 0
+    assert steps.count(2) == 3 and len(steps) > 5  # 200 prompt tokens took several 64-token steps first
+
+
+@pytest.mark.parametrize("option", ["--steps", "--rounds"])
 def test_bench_decode_refuses_counts_below_one_by_name(demo_dirs, option, capsys):
     from kiln.cli import main
 
     assert main(["bench", "decode", str(demo_dirs["llama"]), option, "0"]) != 0
     assert f"{option} must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_bench_decode_refuses_a_depth_the_model_cannot_hold(demo_dirs, capsys):
+    from kiln.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "decode", str(demo_dirs["llama"]), "--depth", "0"])
+    assert "depths must be at least 1 token" in capsys.readouterr().err
+    assert main(["bench", "decode", str(demo_dirs["llama"]), "--depth", "1000000", "--threads", "1"]) != 0
+    assert "--depth 1000000 and --steps 32 make sequences of" in capsys.readouterr().err
 
 
 def test_decode_weight_bytes_count_the_head_once_and_no_embedding_lookup(demo_dirs):

@@ -10,14 +10,17 @@ decode step does. Either alone can under-read a machine: on one Intel Xeon the s
 GEMM streams, which put a step "above" its floor. `floor_fraction` is that floor over the measured step:
 1.0 would be reading the weights as fast as this machine was seen to read and doing nothing else.
 
-For each batch size B, B sequences of `--prompt-len` tokens are prefilled, then `--steps` decode steps
-are timed one by one (their median is the round's): `ms_per_token` is a step's time, the latency each
-sequence sees per token, and `tokens_per_s` is B tokens over it. A VM's bandwidth can swing by half
-from one minute to the next, so each batch is timed right after a bandwidth reading of its own, in
-`--rounds` rounds: a round's `floor_fraction` pairs the two, and the report gives the median of the
-rounds' fractions (and of their times; every round is in `rounds`). Timing starts once the packed
-weights are on huge pages, as a server's are after a moment idle (`kiln.weights.huge_pages`), and
-`huge_page_gb` says how much is there.
+For each depth D (`--depth`, the tokens already in a sequence's KV cache when its timed decode
+begins: its prompt) and batch size B, B sequences of D prompt tokens are prefilled, then `--steps`
+decode steps are timed one by one (their median is the round's; a step that also prefills is not
+timed): `ms_per_token` is a step's time, the latency each sequence sees per token, and `tokens_per_s`
+is B tokens over it. At depth a step also reads each sequence's KV cache, so the floor counts those
+bytes too (`kv_bytes_per_token` times B sequences of D + (steps + 1) / 2 tokens, the timed steps'
+mean). A VM's bandwidth can swing by half from one minute to the next, so each (depth, batch) is
+timed right after a bandwidth reading of its own, in `--rounds` rounds: a round's `floor_fraction`
+pairs the two, and the report gives the median of the rounds' fractions (and of their times; every
+round is in `rounds`). Timing starts once the packed weights are on huge pages, as a server's are
+after a moment idle (`kiln.weights.huge_pages`), and `huge_page_gb` says how much is there.
 """
 
 import argparse
@@ -28,7 +31,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kiln.argtypes import batch_sizes
+from kiln.argtypes import batch_sizes, depths
 from kiln.config import DTYPES, LM_HEAD_QUANTIZATIONS, QUANTIZATIONS
 from kiln.errors import KilnError
 
@@ -102,21 +105,37 @@ def decode_weight_bytes(model, screened: bool = False) -> int:
     return total + head.numel() * head.element_size()
 
 
+def kv_bytes_per_token(llm) -> int:
+    """The KV-cache bytes one token holds over all layers (on this rank): what attending to it reads."""
+    return sum(cache[:, 0, 0].numel() * cache.element_size() for cache in llm.engine.runner.kv_caches)
+
+
 def decode_step_seconds(llm, batch: int, steps: int, prompt_len: int = 32, vocab: int = 1000) -> float:
-    """Median wall time of one engine step with `batch` sequences decoding (the prefill step excluded)."""
+    """Median wall time of one engine step with `batch` sequences decoding and nothing else, over `steps`
+    such steps. Timing begins once every prompt is in the KV cache: a long prompt prefills in chunks, and
+    a sequence whose prefill ended first decodes beside the others' chunks meanwhile."""
     from kiln import SamplingParams
 
+    engine = llm.engine
     prompts = [[(7 * b + i) % vocab + 1 for i in range(prompt_len)] for b in range(batch)]
-    params = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
-    engine, times, first = llm.engine, [], True
-    for p in prompts:
-        engine.add_request(p, params)
-    while engine.has_unfinished():
-        start = time.perf_counter()
-        engine.step()
-        if not first:
-            times.append(time.perf_counter() - start)
-        first = False
+    params = SamplingParams(max_tokens=engine.max_model_len - prompt_len, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    waiting = set(ids)  # no token yet
+    times: list[float] = []
+    try:
+        while len(times) < steps and engine.has_unfinished():
+            decoding = not waiting
+            start = time.perf_counter()
+            outputs = engine.step()
+            if decoding and engine.step_tokens == batch:
+                times.append(time.perf_counter() - start)
+            waiting -= {o.request_id for o in outputs}
+    finally:
+        for request_id in ids:  # they could go on to max_model_len
+            engine.abort(request_id)
+    if len(times) < steps:
+        raise KilnError(f"{batch} sequences of {prompt_len} tokens decoded together {len(times)} steps, not {steps}: "
+                        "the KV cache holds fewer of them at once (--kv-cache-memory, --max-num-seqs)")
     return statistics.median(times)
 
 
@@ -127,8 +146,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=32, metavar="N", help="decode steps timed per batch (default 32)")
     parser.add_argument("--rounds", type=int, default=3, metavar="N", help="rounds, each timing every batch right "
                         "after a bandwidth reading; figures are the rounds' medians (default 3)")
-    parser.add_argument("--prompt-len", type=int, default=32, metavar="N", help="prompt tokens per sequence "
-                        "(default 32): the context decode attends to")
+    parser.add_argument("--depth", type=depths, default=[32], metavar="D,D,...", help="tokens already in each "
+                        "sequence's KV cache when timing begins (its prompt), e.g. 32,2048,8192 (default 32)")
     parser.add_argument("--compile", action="store_true", help="time the compiled artifact (compiling it first if "
                         "absent)")
     parser.add_argument("--require-artifact", action="store_true", help="time the compiled artifact; fail if it is "
@@ -146,45 +165,63 @@ def run(args: argparse.Namespace) -> int:
     from kiln import LLM
     from kiln.weights import huge_pages
 
-    for name in ("steps", "prompt_len", "rounds"):
+    for name in ("steps", "rounds"):
         if getattr(args, name) < 1:
-            raise KilnError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+            raise KilnError(f"--{name} must be at least 1, got {getattr(args, name)}")
     llm = LLM(args.model_dir, dtype=args.dtype, compile=args.compile or args.require_artifact,
               require_artifact=args.require_artifact, cache_dir=args.cache_dir, quantization=args.quantization,
               lm_head_quantization=args.lm_head_quantization, threads=args.threads,
               max_num_seqs=max(args.batches))
-    decode_step_seconds(llm, 1, 2, args.prompt_len)  # warm-up: first-call costs
+    engine = llm.engine
+    holds = engine.scheduler.allocator.num_blocks * engine.config.block_size
+    # a sequence's tokens at its last step: its prompt, the timed steps, and those it decoded while the
+    # batch's other prompts still prefilled, at most a step per chunk of theirs
+    chunks = -(-max(args.batches) * max(args.depth) // engine.config.max_num_batched_tokens)
+    longest = max(args.depth) + args.steps + 1 + chunks
+    if longest > engine.max_model_len or max(args.batches) * longest > holds:
+        raise KilnError(f"--depth {max(args.depth)} and --steps {args.steps} make sequences of {longest} tokens: "
+                        f"this model takes {engine.max_model_len} a sequence and its KV cache {holds} in all, "
+                        f"for {max(args.batches)} sequences at once; lower --depth, --steps or --batches")
+    decode_step_seconds(llm, 1, 2, min(args.depth))  # warm-up: first-call costs
     if not huge_pages.wait(HUGE_PAGES_WAIT_S):  # the steady state a server reaches once idle a moment
         logger.warning("packed weights not all on huge pages after %d s: measuring as they are", HUGE_PAGES_WAIT_S)
     huge_bytes = huge_pages.collapsed_bytes()
     probe = bandwidth_probe()
     screened = llm.engine.runner.greedy_tokens is not None  # greedy steps read int8 codes
-    weights = decode_weight_bytes(llm.model, screened)
+    weights, kv_token = decode_weight_bytes(llm.model, screened), kv_bytes_per_token(llm)
+
+    def step_bytes(depth: str, batch: str) -> int:
+        return weights + round(int(batch) * kv_token * (int(depth) + (args.steps + 1) / 2))
+
+    depth_keys, batch_keys = [str(d) for d in args.depth], [str(b) for b in args.batches]
     rounds = []
-    for _ in range(args.rounds):  # each batch timed right after a bandwidth reading: the pair shares a phase
-        reads, times = {}, {}
-        for batch in args.batches:
-            reads[str(batch)] = probe()
-            times[str(batch)] = decode_step_seconds(llm, batch, args.steps, args.prompt_len) * 1e3
-        rounds.append({"read_bandwidth_gb_s": {b: round(r["best"] / 1e9, 2) for b, r in reads.items()},
-                       "read_bandwidth_by": {b: {how: round(v / 1e9, 2) for how, v in r.items() if how != "best"}
-                                             for b, r in reads.items()},
-                       "ms_per_token": {b: round(ms, 3) for b, ms in times.items()},
-                       "floor_fraction": {b: round(weights / reads[b]["best"] * 1e3 / ms, 3)
-                                          for b, ms in times.items()}})
-    bandwidth = statistics.median(gb for r in rounds for gb in r["read_bandwidth_gb_s"].values()) * 1e9
-    floor_ms = weights / bandwidth * 1e3
-    results = {}
-    for batch in map(str, args.batches):
-        ms = statistics.median(r["ms_per_token"][batch] for r in rounds)
-        results[batch] = {"ms_per_token": round(ms, 3), "tokens_per_s": round(int(batch) / ms * 1e3, 2),
-                          "floor_fraction": round(statistics.median(r["floor_fraction"][batch] for r in rounds), 3)}
+    for _ in range(args.rounds):  # each pair timed right after a bandwidth reading: the two share a phase
+        reading = {key: {d: {} for d in depth_keys} for key in ("read_bandwidth_gb_s", "read_bandwidth_by",
+                                                                "ms_per_token", "floor_fraction")}
+        for d in depth_keys:
+            for b in batch_keys:
+                read = probe()
+                ms = decode_step_seconds(llm, int(b), args.steps, int(d)) * 1e3
+                reading["read_bandwidth_gb_s"][d][b] = round(read["best"] / 1e9, 2)
+                reading["read_bandwidth_by"][d][b] = {how: round(v / 1e9, 2) for how, v in read.items() if how != "best"}
+                reading["ms_per_token"][d][b] = round(ms, 3)
+                reading["floor_fraction"][d][b] = round(step_bytes(d, b) / read["best"] * 1e3 / ms, 3)
+        rounds.append(reading)
+    bandwidth = statistics.median(gb for r in rounds for row in r["read_bandwidth_gb_s"].values()
+                                  for gb in row.values()) * 1e9
+    results: dict[str, dict] = {d: {} for d in depth_keys}
+    for d in depth_keys:
+        for b in batch_keys:
+            ms = statistics.median(r["ms_per_token"][d][b] for r in rounds)
+            results[d][b] = {"ms_per_token": round(ms, 3), "tokens_per_s": round(int(b) / ms * 1e3, 2),
+                             "bytes_per_step": step_bytes(d, b),
+                             "floor_fraction": round(statistics.median(r["floor_fraction"][d][b] for r in rounds), 3)}
     report = {"model": str(args.model_dir), "dtype": llm.dtype, "compiled": llm.artifact_path is not None,
               "quantization": args.quantization, "lm_head_quantization": args.lm_head_quantization,
               "threads": llm.threads, "greedy_screen": screened, "weight_bytes_per_step": weights,
-              "read_bandwidth_gb_s": round(bandwidth / 1e9, 2), "huge_page_gb": round(huge_bytes / 1e9, 3),
-              "floor_ms_per_step": round(floor_ms, 3), "prompt_len": args.prompt_len, "batches": results,
-              "rounds": rounds}
+              "kv_bytes_per_token": kv_token, "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
+              "huge_page_gb": round(huge_bytes / 1e9, 3), "floor_ms_per_step": round(weights / bandwidth * 1e3, 3),
+              "steps": args.steps, "depths": results, "rounds": rounds}
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
