@@ -1,8 +1,9 @@
 """GGUF checkpoints (llama.cpp's one-file format) read with the `gguf` package, under Hugging Face's names.
 
 A GGUF file holds the weights, the config and the tokenizer together. `model_view` turns its metadata
-into a model directory in the cache (config.json, the tokenizer and its chat template, through
-transformers' GGUF reader, and a link to the file), so the rest of kiln reads it as any other model
+into a model directory in the cache (config.json from kiln's own header reader, named by transformers'
+table of GGUF keys; the tokenizer and its chat template through transformers' GGUF tokenizer; and a link
+to the file), so the rest of kiln reads it as any other model
 directory. `GgufFile` reads its tensors by Hugging Face name, with the interface of `SafetensorsFile`.
 
 Quantized tensors are dequantized while loading, one tensor at a time (`gguf.quants`, vectorized numpy),
@@ -374,7 +375,7 @@ def model_view(path: str | Path, cache_dir: Path) -> Path:
     view.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".view-", dir=view.parent))
     try:
-        _write_view(path, arch, tmp)
+        _write_view(path, header, arch, tmp)
         digests = {f.name: checksum.digest(f.read_bytes()).hex() for f in sorted(tmp.iterdir())}
         (tmp / VIEW_DIGESTS).write_text(json.dumps(digests))
         os.symlink(path, tmp / path.name)
@@ -399,16 +400,36 @@ def _intact(view: Path) -> bool:
         return False
 
 
-def _write_view(path: Path, arch: str, out: Path) -> None:
-    """config.json and the tokenizer files from the GGUF's metadata, through transformers' GGUF reader."""
-    from transformers import AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+def _config(header: _Header, arch: str) -> dict:
+    """config.json's fields from the file's metadata, named by transformers' own table of GGUF keys: what its
+    GGUF loader gives (`load_gguf_checkpoint`), without the ~10 s its reader takes over a vocabulary's arrays."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    try:
-        parsed = load_gguf_checkpoint(str(path), return_tensors=False)
-    except (ValueError, KeyError, NotImplementedError) as e:
-        raise KilnError(f"{path.name}: transformers cannot read its metadata ({e})") from None
-    config = {k: v for k, v in parsed["config"].items() if not k.startswith("_")}
+    names = GGUF_CONFIG_MAPPING[arch]
+    config = {}
+    for key, value in header.fields.items():  # the model's shape, and the special tokens' ids
+        prefix, _, field = key.partition(".")
+        name = (names if prefix == arch else GGUF_CONFIG_MAPPING.get("tokenizer", {}) if prefix == "tokenizer"
+                else {}).get(field)
+        if name:
+            config[name] = value
+    if "vocab_size" not in config and "tokenizer.ggml.tokens" in header.fields:
+        config["vocab_size"] = len(header.fields["tokenizer.ggml.tokens"])
+    missing = [f"{arch}.{field}" for field, name in names.items() if name in REQUIRED_CONFIG and name not in config]
+    if missing:
+        raise KilnError(f"{header.path.name}: its metadata lacks {', '.join(missing)}, which the model's shape needs")
+    return config
+
+
+REQUIRED_CONFIG = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+"""The config fields a model cannot be built without; the rest have defaults."""
+
+
+def _write_view(path: Path, header: _Header, arch: str, out: Path) -> None:
+    """config.json from the GGUF's metadata, and the tokenizer files through transformers' GGUF tokenizer."""
+    from transformers import AutoTokenizer
+
+    config = _config(header, arch)
     config["architectures"] = [ARCHITECTURES[arch]]
     config["model_type"] = arch
     config.setdefault("torch_dtype", "float32")

@@ -102,6 +102,19 @@ def test_the_tokenizer_and_chat_template_come_from_the_metadata(gguf_model, toke
     assert healed.tokenizer.encode(PROMPTS[0]) == tokenizer.encode(PROMPTS[0]).ids
 
 
+def test_the_views_config_is_transformers_gguf_loaders(gguf_model, tmp_path):
+    """kiln reads the metadata itself (transformers' reader takes ~10 s over a real vocabulary) and names the
+    fields by transformers' table: the config is the one transformers' own GGUF loader gives."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    arch, path, _ = gguf_model
+    want = {k: v for k, v in load_gguf_checkpoint(str(path), return_tensors=False)["config"].items()
+            if not k.startswith("_")}
+    got = json.loads((LLM(path, cache_dir=tmp_path).model_dir / "config.json").read_text())
+    assert {k: got[k] for k in want} == want
+    assert got["num_hidden_layers"] == 2 and got["eos_token_id"] == want["eos_token_id"]
+
+
 def _metadata_only(path, arch: str, tensors: dict) -> None:
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
@@ -118,6 +131,11 @@ def test_files_kiln_cannot_run_are_refused_by_name(tmp_path):
     _metadata_only(other, "phi3", {"token_embd.weight": (np.zeros((4, 32), np.float32), None)})
     with pytest.raises(KilnError, match="phi.gguf is a phi3 model; kiln runs GGUF files of llama, mistral"):
         LLM(other, cache_dir=tmp_path)
+    shapeless = tmp_path / "shapeless.gguf"  # a llama whose metadata says nothing of its hidden size
+    _metadata_only(shapeless, "llama", {"token_embd.weight": (np.zeros((4, 32), np.float32), None)})
+    with pytest.raises(KilnError, match="shapeless.gguf: its metadata lacks llama.feed_forward_length, "
+                                        "llama.embedding_length, llama.attention.head_count, llama.vocab_size"):
+        LLM(shapeless, cache_dir=tmp_path)
     ints = tmp_path / "ints.gguf"
     _metadata_only(ints, "llama", {"token_embd.weight": (np.zeros((4, 32), np.int32), gguf.GGMLQuantizationType.I32)})
     from kiln.weights.gguf_file import GgufFile
