@@ -59,23 +59,22 @@ def units(parse):
     return convert
 
 
+def _counts(text: str, what: str, example: str, unit: str = "") -> list[int]:
+    """A comma-separated list of integers, each at least 1."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what} like {example}, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{what} must be at least 1{unit}, got {text!r}")
+    return values
+
+
 def batch_sizes(text: str) -> list[int]:
     """A comma-separated list of batch sizes, each at least 1: "1,16"."""
-    try:
-        batches = [int(b) for b in text.split(",") if b.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected batch sizes like 1,16, got {text!r}") from None
-    if not batches or min(batches) < 1:
-        raise argparse.ArgumentTypeError(f"batch sizes must be at least 1, got {text!r}")
-    return batches
+    return _counts(text, "batch sizes", "1,16")
 
 
 def depths(text: str) -> list[int]:
     """A comma-separated list of KV-cache depths in tokens, each at least 1: "32,2048,8192"."""
-    try:
-        values = [int(d) for d in text.split(",") if d.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected depths like 32,2048, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"depths must be at least 1 token, got {text!r}")
-    return values
+    return _counts(text, "depths", "32,2048", " token")
