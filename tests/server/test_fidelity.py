@@ -30,6 +30,13 @@ def eager(demo_dirs) -> LLM:
 
 
 @pytest.fixture(scope="module")
+def reference(demo_dirs) -> LLM:
+    """The same model outside the server, for the numbers a response is checked against: the served LLM's
+    engine belongs to the server's engine thread, and a call into it from a test races that thread."""
+    return LLM(demo_dirs["llama"], max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
 def base(eager) -> str:
     with live_app(eager, MODEL, 1024) as url:
         yield url
@@ -229,16 +236,16 @@ def test_vllms_chat_template_fields_shape_the_prompt(base):
         assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
 
 
-def test_embeddings_through_the_openai_client(base, client, eager):
+def test_embeddings_through_the_openai_client(base, client, reference):
     """/v1/embeddings: the openai client asks for base64 by default and decodes it; float gives the same
     vectors: the model's last hidden state at the last token, L2-normalized (tests/runtime/test_embeddings.py
     checks those against transformers)."""
     texts = [PROMPTS[0], PROMPTS[3]]
     answer = client.embeddings.create(model=MODEL, input=texts)
-    want = eager.embed(texts)
+    want = reference.embed(texts)
     assert [d.index for d in answer.data] == [0, 1]
     assert all(d.embedding == pytest.approx(w, abs=1e-6) for d, w in zip(answer.data, want))
-    ids = [eager.tokenizer.encode(t) for t in texts]
+    ids = [reference.tokenizer.encode(t) for t in texts]
     assert answer.usage.prompt_tokens == answer.usage.total_tokens == sum(map(len, ids))
     floats = httpx.post(base + "/v1/embeddings", json={"model": MODEL, "input": ids, "encoding_format": "float"})
     assert all(d["embedding"] == pytest.approx(w, abs=1e-6) for d, w in zip(floats.json()["data"], want))
@@ -248,13 +255,13 @@ def test_embeddings_through_the_openai_client(base, client, eager):
         assert refused.status_code == 400 and message in refused.json()["error"]["message"], refused.text
 
 
-def test_stop_tokens_leave_their_text_out_unless_asked(client, eager):
+def test_stop_tokens_leave_their_text_out_unless_asked(client, reference):
     """vLLM's rule: the stop token's (or stop string's) text is not in the output unless
     include_stop_str_in_output; stop_reason says which one stopped it."""
     greedy = dict(model=MODEL, prompt=PROMPTS[3], max_tokens=10, temperature=0)
-    ids = eager.generate([PROMPTS[3]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].token_ids
+    ids = reference.generate([PROMPTS[3]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].token_ids
     stop_at = ids[4]
-    before, through = (eager.tokenizer.decode(ids[:n]) for n in (ids.index(stop_at), ids.index(stop_at) + 1))
+    before, through = (reference.tokenizer.decode(ids[:n]) for n in (ids.index(stop_at), ids.index(stop_at) + 1))
     cut = client.completions.create(**greedy, extra_body={"stop_token_ids": [stop_at]}).choices[0]
     assert cut.text == before != through and cut.finish_reason == "stop" and cut.model_extra["stop_reason"] == stop_at
     kept = client.completions.create(**greedy, extra_body={"stop_token_ids": [stop_at],
