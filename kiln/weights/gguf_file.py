@@ -406,11 +406,11 @@ def _config(header: _Header, arch: str) -> dict:
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
     names = GGUF_CONFIG_MAPPING[arch]
+    tables = {arch: names, "tokenizer": GGUF_CONFIG_MAPPING.get("tokenizer", {})}  # the shape; special tokens' ids
     config = {}
-    for key, value in header.fields.items():  # the model's shape, and the special tokens' ids
+    for key, value in header.fields.items():
         prefix, _, field = key.partition(".")
-        name = (names if prefix == arch else GGUF_CONFIG_MAPPING.get("tokenizer", {}) if prefix == "tokenizer"
-                else {}).get(field)
+        name = tables.get(prefix, {}).get(field)
         if name:
             config[name] = value
     if "vocab_size" not in config and "tokenizer.ggml.tokens" in header.fields:
