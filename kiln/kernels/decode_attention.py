@@ -3,8 +3,9 @@ that reads K and V where they sit in the cache.
 
 At decode sizes torch's path costs more than the arithmetic: gathering the sequence's blocks, then
 SDPA's flash kernel, takes tens of times longer than the scores and the weighted sum themselves. This
-kernel walks each sequence's block table itself, one (sequence, KV head) pair per thread, each
-KV head's group of query heads together, so K and V are read once.
+kernel walks each sequence's block table itself, each context split into spans worked on by all threads
+(every KV head of a span's blocks in one task, so each block is read once, by one core), the spans'
+partial softmaxes then merged (flash-decoding).
 
 Like the panel GEMMs it is C++ that AOTInductor compiles into a library (`kiln.compiler.libraries`)
 from a graph of the one op, which the artifact ships: a serve start needs no compiler. The op's own

@@ -44,6 +44,26 @@ def test_library_matches_reference(library, shape, window):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("seqs, window", [(1, 0), (1, 1000), (3, 0), (2, 333)])
+def test_long_contexts_split_into_spans_match_the_reference(library, seqs, window, threads):
+    """Contexts of hundreds to thousands of tokens are split into spans (one per task, at least 64 tokens)
+    whose partial softmaxes the kernel merges; batch 1 on one or two threads, unequal lengths, a window that
+    starts inside a span, and a block table in no order all give the reference's numbers."""
+    query, cache, tables, _ = _case(seqs, 14, 2, 64, 16, 260, 128, seed=seqs + window)
+    lens = torch.tensor([2048, 131, 1500][:seqs], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(260, dtype=torch.int32)[:128] for _ in range(seqs)])
+    params = decode_attention.params(0.125, window)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = library(query, cache, tables, lens, params)[0]
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, torch.ops.kiln.decode_attention(query, cache, tables, lens, params),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_one_token_of_context_is_its_value(library):
     query, cache, tables, lens = _case(2, 4, 2, 16, 4, 8, 2)
     lens = torch.tensor([1, 1], dtype=torch.int32)

@@ -25,6 +25,8 @@ static inline kiln_vf kiln_load(const float* p) {
   return x;
 }
 
+static inline void kiln_store(float* p, kiln_vf x) { __builtin_memcpy(p, &x, sizeof x); }
+
 static inline float kiln_sum(kiln_vf x) {
   typedef float v8 __attribute__((vector_size(32)));
 #if KILN_LANES == 16
@@ -54,98 +56,202 @@ static inline kiln_vf kiln_exp(kiln_vf x) {
   return p * (kiln_vf)scale;
 }
 
-// a . b over n floats
-static inline float kiln_dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  kiln_vf acc = {};
-  int64_t i = 0;
-  for (; i + KILN_LANES <= n; i += KILN_LANES) acc += kiln_load(a + i) * kiln_load(b + i);
-  float sum = kiln_sum(acc);
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
+// The sums of eight vectors' lanes, as [sum a, ..., sum h]: pairwise sums in three levels, each a shuffle
+// of two vectors (within 128-bit lanes, or of whole halves: one instruction each) and an addition
+typedef float kiln_v8 __attribute__((vector_size(32)));
+static inline kiln_v8 kiln_pairs(kiln_v8 x, kiln_v8 y) {  // lanes 0, 1, 4, 5: x's pair sums; 2, 3, 6, 7: y's
+  return __builtin_shufflevector(x, y, 0, 2, 8, 10, 4, 6, 12, 14) + __builtin_shufflevector(x, y, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+static inline kiln_v8 kiln_half(kiln_vf x) {
+#if KILN_LANES == 16
+  return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return x;
+#endif
+}
+static inline kiln_v8 kiln_sum8(const kiln_vf* v) {
+  const kiln_v8 abcd = kiln_pairs(kiln_pairs(kiln_half(v[0]), kiln_half(v[1])), kiln_pairs(kiln_half(v[2]), kiln_half(v[3])));
+  const kiln_v8 efgh = kiln_pairs(kiln_pairs(kiln_half(v[4]), kiln_half(v[5])), kiln_pairs(kiln_half(v[6]), kiln_half(v[7])));
+  // each 128-bit half of abcd holds a, b, c, d's half sums, of efgh e, f, g, h's
+  return __builtin_shufflevector(abcd, efgh, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(abcd, efgh, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-// y += w x over n floats
-static inline void kiln_axpy(float w, const float* __restrict x, float* __restrict y, int64_t n) {
-  int64_t i = 0;
-  for (; i + KILN_LANES <= n; i += KILN_LANES) {
-    const kiln_vf r = kiln_load(y + i) + w * kiln_load(x + i);
-    __builtin_memcpy(y + i, &r, sizeof r);
+// q . k[r] for eight rows k[r] = k + r * stride of n floats (n a multiple of the vector width): q's vector is
+// loaded once for all eight, and eight independent chains keep both adders busy where fewer would wait on
+// each addition's latency
+static inline kiln_v8 kiln_dot_rows8(const float* q, const float* const* k, int64_t n) {
+  kiln_vf acc[8] = {};
+  for (int64_t i = 0; i < n; i += KILN_LANES) {
+    const kiln_vf x = kiln_load(q + i);
+    for (int r = 0; r < 8; ++r) acc[r] += x * kiln_load(k[r] + i);
   }
-  for (; i < n; ++i) y[i] += w * x[i];
+  return kiln_sum8(acc);
 }
 
-// Where token p's row of KV head h starts in the cache's K half, through the sequence's block table
-static inline int64_t kiln_row(const int32_t* table, int64_t p, int64_t BS, int64_t HKV, int64_t h, int64_t D) {
-  return ((table[p / BS] * BS + p % BS) * HKV + h) * D;
+// acc[0, NV vectors) += sum over rows r of w[r] v[r * stride + ...]: the accumulators stay in registers over
+// all the rows (NV <= 8 leaves registers for a row's load and its weight)
+template <int NV>
+static inline void kiln_weighted_rows(const float* w, const float* v, int64_t stride, int64_t rows, float* acc) {
+  kiln_vf a[NV];
+  for (int i = 0; i < NV; ++i) a[i] = kiln_load(acc + i * KILN_LANES);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float wr = w[r];
+    const float* vr = v + r * stride;
+    for (int i = 0; i < NV; ++i) a[i] += wr * kiln_load(vr + i * KILN_LANES);
+  }
+  for (int i = 0; i < NV; ++i) kiln_store(acc + i * KILN_LANES, a[i]);
 }
 
-// The rows of the cache are scattered over blocks, which the hardware prefetcher does not follow:
-// each loop over the context asks for the row KILN_AHEAD tokens on
-#define KILN_AHEAD 8
-static inline void kiln_prefetch(const float* row, int64_t D) {
-  for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(row + i);
+// acc[D] += sum over rows r of w[r] v[r * stride + ...], for any D
+static void kiln_weighted_sum(const float* w, const float* v, int64_t stride, int64_t rows, int64_t D, float* acc) {
+  int64_t c = 0;
+  for (; c + 8 * KILN_LANES <= D; c += 8 * KILN_LANES) kiln_weighted_rows<8>(w, v + c, stride, rows, acc + c);
+  switch ((D - c) / KILN_LANES) {
+    case 7: kiln_weighted_rows<7>(w, v + c, stride, rows, acc + c); break;
+    case 6: kiln_weighted_rows<6>(w, v + c, stride, rows, acc + c); break;
+    case 5: kiln_weighted_rows<5>(w, v + c, stride, rows, acc + c); break;
+    case 4: kiln_weighted_rows<4>(w, v + c, stride, rows, acc + c); break;
+    case 3: kiln_weighted_rows<3>(w, v + c, stride, rows, acc + c); break;
+    case 2: kiln_weighted_rows<2>(w, v + c, stride, rows, acc + c); break;
+    case 1: kiln_weighted_rows<1>(w, v + c, stride, rows, acc + c); break;
+  }
+  for (c += (D - c) / KILN_LANES * KILN_LANES; c < D; ++c)
+    for (int64_t r = 0; r < rows; ++r) acc[c] += w[r] * v[r * stride + c];
 }
+
+// The blocks of a context are scattered over the cache, which the hardware prefetcher does not follow: each
+// block (all its rows, every KV head's) is asked for while the block before it is worked on
+static inline void kiln_prefetch_block(const float* block, int64_t floats) {
+  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(block + i);
+}
+
+// Context rows [lo, hi) of one sequence (block table `table`), every KV head's G query heads q [HKV * G, D]
+// together, so each block of K and V is read whole by one thread (two threads reading one block's
+// interleaved heads each fetch all of it): m[i] = query head i's highest scaled score, l[i] = the sum of
+// exp(score - m[i]), acc [HKV * G, D] = the sum of exp(score - m[i]) v, with `scores` room for
+// HKV * G * (hi - lo) floats. K and V are [N, BS, HKV, D] each.
+static void kiln_span(const float* q, const float* keys, const float* values, const int32_t* table, int64_t lo,
+                      int64_t hi, int64_t BS, int64_t HKV, int64_t D, int64_t G, float scale, float* scores,
+                      float* m, float* l, float* acc) {
+  const int64_t n = hi - lo, stride = HKV * D, HQ = HKV * G, block = BS * stride;
+  for (int64_t i = 0; i < HQ * D; ++i) acc[i] = 0.f;
+  if (n <= 0) {
+    for (int64_t i = 0; i < HQ; ++i) m[i] = -INFINITY, l[i] = 0.f;
+    return;
+  }
+  const int64_t first = lo / BS, last = (hi - 1) / BS, vectors = D / KILN_LANES * KILN_LANES;
+  for (int64_t j = first; j <= last; ++j) {  // scores, each query head's over a block's rows eight at a time
+    const int64_t r0 = j == first ? lo - j * BS : 0, rows = (j == last ? hi - j * BS : BS) - r0;
+    if (j < last) kiln_prefetch_block(keys + table[j + 1] * block, block);
+    for (int64_t i = 0; i < HQ; ++i) {
+      const float *qi = q + i * D, *k = keys + table[j] * block + r0 * stride + i / G * D;
+      float* s = scores + i * n + j * BS + r0 - lo;
+      for (int64_t r = 0; r < rows; r += 8) {  // past the last row, the last row again, its scores not kept
+        const float* kr[8];
+        for (int u = 0; u < 8; ++u) kr[u] = k + (r + u < rows ? r + u : rows - 1) * stride;
+        kiln_v8 dots = kiln_dot_rows8(qi, kr, vectors);
+        for (int64_t c = vectors; c < D; ++c)
+          for (int u = 0; u < 8; ++u) dots[u] += qi[c] * kr[u][c];
+        dots *= scale;
+        if (r + 8 <= rows)
+          __builtin_memcpy(s + r, &dots, sizeof dots);
+        else
+          for (int64_t u = 0; r + u < rows; ++u) s[r + u] = dots[u];
+      }
+    }
+  }
+  for (int64_t i = 0; i < HQ; ++i) {  // exp(score - max), in place
+    float* s = scores + i * n;
+    kiln_vf tops = kiln_vf{} - INFINITY;
+    int64_t c = 0;
+    for (; c + KILN_LANES <= n; c += KILN_LANES) {
+      const kiln_vf x = kiln_load(s + c);
+      tops = x > tops ? x : tops;
+    }
+    float top = -INFINITY;
+    for (int lane = 0; lane < KILN_LANES; ++lane) top = tops[lane] > top ? tops[lane] : top;
+    for (; c < n; ++c) top = s[c] > top ? s[c] : top;
+    kiln_vf sums = {};
+    for (c = 0; c + KILN_LANES <= n; c += KILN_LANES) {
+      const kiln_vf e = kiln_exp(kiln_load(s + c) - top);
+      kiln_store(s + c, e);
+      sums += e;
+    }
+    float sum = kiln_sum(sums);
+    for (; c < n; ++c) sum += (s[c] = expf(s[c] - top));
+    m[i] = top, l[i] = sum;
+  }
+  for (int64_t j = first; j <= last; ++j) {  // the weighted values, each query head's over a block's rows
+    const int64_t r0 = j == first ? lo - j * BS : 0, rows = (j == last ? hi - j * BS : BS) - r0;
+    if (j < last) kiln_prefetch_block(values + table[j + 1] * block, block);
+    for (int64_t i = 0; i < HQ; ++i)
+      kiln_weighted_sum(scores + i * n + j * BS + r0 - lo, values + table[j] * block + r0 * stride + i / G * D, stride,
+                        rows, D, acc + i * D);
+  }
+}
+
+// Spans are at least this many tokens: a shorter one's setup and merge cost more than its thread gains
+#define KILN_MIN_SPAN 128
 
 // out [B, HQ, D] = softmax(scale q k^T) v per sequence b over its context (the last `window` tokens of
-// it if window > 0), K and V read from the paged cache [2, N, BS, HKV, D] through tables [B, W]
+// it if window > 0), K and V read from the paged cache [2, N, BS, HKV, D] through tables [B, W].
+// Each sequence's context is split into spans, enough of them to keep every thread busy (batch 1 too),
+// each span worked on apart for all heads, then the spans merged by their maxima and sums (flash-decoding).
 extern "C" void kiln_decode_attention(const float* q, const float* cache, const int32_t* tables,
                                       const int32_t* lens, const float* params, float* out, int64_t B,
                                       int64_t HQ, int64_t D, int64_t N, int64_t BS, int64_t HKV, int64_t W) {
   const float scale = params[0];
   const int64_t window = (int64_t)params[1], G = HQ / HKV, half = N * BS * HKV * D;
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t ctx = lens[b] < W * BS ? lens[b] : W * BS;
+    const int64_t n = window > 0 && ctx > window ? window : ctx;
+    longest = n > longest ? n : longest;
+  }
+  const int64_t threads = omp_get_max_threads(), most = longest / KILN_MIN_SPAN > 1 ? longest / KILN_MIN_SPAN : 1;
+  int64_t S = 1;  // spans per context: enough tasks for four per thread, so unequal contexts still balance
+  while (S < most && B * S < 4 * threads) ++S;
+  const int64_t record = HQ * D + 2 * HQ;  // a span's acc [HQ, D], then m [HQ], then l [HQ]
+  float* spans = (float*)malloc(sizeof(float) * B * S * record);
   #pragma omp parallel
   {
-    float* acc = (float*)malloc(sizeof(float) * G * D);
     float* scores = nullptr;
     int64_t capacity = 0;
-    #pragma omp for collapse(2) schedule(static)
+    #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t b = 0; b < B; ++b)
-      for (int64_t h = 0; h < HKV; ++h) {
+      for (int64_t s = 0; s < S; ++s) {
         const int64_t ctx = lens[b] < W * BS ? lens[b] : W * BS;
         const int64_t start = window > 0 && ctx > window ? ctx - window : 0, n = ctx - start;
-        if (G * n > capacity) {
-          capacity = G * n;
+        const int64_t lo = start + n * s / S, hi = start + n * (s + 1) / S;
+        if (HQ * (hi - lo) > capacity) {
+          capacity = HQ * (hi - lo);
           free(scores);
           scores = (float*)malloc(sizeof(float) * capacity);
         }
-        const float* qb = q + (b * HQ + h * G) * D;
-        for (int64_t p = start; p < ctx; ++p) {
-          if (p + KILN_AHEAD < ctx) kiln_prefetch(cache + kiln_row(tables + b * W, p + KILN_AHEAD, BS, HKV, h, D), D);
-          const float* k = cache + kiln_row(tables + b * W, p, BS, HKV, h, D);
-          for (int64_t g = 0; g < G; ++g) {
-            scores[g * n + p - start] = kiln_dot(qb + g * D, k, D) * scale;
-          }
-        }
-        for (int64_t g = 0; g < G; ++g) {
-          float* s = scores + g * n;
-          float top = -INFINITY;
-          for (int64_t i = 0; i < n; ++i) top = s[i] > top ? s[i] : top;
-          kiln_vf sums = {};
-          int64_t i = 0;
-          for (; i + KILN_LANES <= n; i += KILN_LANES) {
-            const kiln_vf e = kiln_exp(kiln_load(s + i) - top);
-            __builtin_memcpy(s + i, &e, sizeof e);
-            sums += e;
-          }
-          float sum = kiln_sum(sums);
-          for (; i < n; ++i) sum += (s[i] = expf(s[i] - top));
-          const float inv = 1.f / sum;
-          for (i = 0; i < n; ++i) s[i] *= inv;
-        }
-        for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.f;
-        const float* values = cache + half;
-        for (int64_t p = start; p < ctx; ++p) {
-          if (p + KILN_AHEAD < ctx) kiln_prefetch(values + kiln_row(tables + b * W, p + KILN_AHEAD, BS, HKV, h, D), D);
-          const float* v = values + kiln_row(tables + b * W, p, BS, HKV, h, D);
-          for (int64_t g = 0; g < G; ++g) {
-            kiln_axpy(scores[g * n + p - start], v, acc + g * D, D);
-          }
-        }
-        float* ob = out + (b * HQ + h * G) * D;
-        for (int64_t i = 0; i < G * D; ++i) ob[i] = acc[i];
+        float* rec = spans + (b * S + s) * record;
+        kiln_span(q + b * HQ * D, cache, cache + half, tables + b * W, lo, hi, BS, HKV, D, G, scale, scores,
+                  rec + HQ * D, rec + HQ * D + HQ, rec);
       }
     free(scores);
-    free(acc);
+    #pragma omp for collapse(2) schedule(static)
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < HQ; ++i) {
+        const float* first = spans + b * S * record;
+        float top = -INFINITY, total = 0.f;
+        for (int64_t s = 0; s < S; ++s) top = first[s * record + HQ * D + i] > top ? first[s * record + HQ * D + i] : top;
+        float* o = out + (b * HQ + i) * D;
+        for (int64_t c = 0; c < D; ++c) o[c] = 0.f;
+        for (int64_t s = 0; s < S; ++s) {
+          const float* rec = first + s * record;
+          const float w = rec[HQ * D + i] == -INFINITY ? 0.f : expf(rec[HQ * D + i] - top);
+          total += w * rec[HQ * D + HQ + i];
+          for (int64_t c = 0; c < D; ++c) o[c] += w * rec[i * D + c];
+        }
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        for (int64_t c = 0; c < D; ++c) o[c] *= inv;
+      }
   }
+  free(spans);
 }
 #pragma GCC pop_options
