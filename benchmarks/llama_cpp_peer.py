@@ -163,3 +163,27 @@ def figures(table: str, prompts: int, new_tokens: int) -> dict:
     one, many = rows[1], rows[prompts]
     return {"prefill_s": float(many[4]), "batch16_tok_s": float(many[6]),
             "batch1_ms_per_token": float(one[5]) / new_tokens * 1e3}
+
+
+def measure_depths(llama_cpp: Path, model: Path, threads: int, depths: list[int], new_tokens: int) -> dict:
+    """peers.py's `--depth` figures from one `llama-bench` run: batch-1 ms per token of `new_tokens`
+    generated after `-d D` tokens of context, at each depth D."""
+    import json
+
+    cmd = [str(llama_cpp / "bin" / "llama-bench"), "-m", str(model), "-p", "0", "-n", str(new_tokens),
+           "-d", ",".join(map(str, depths)), "-r", "1", "-t", str(threads), "--poll", "0", "-lm", "none", "-o", "json"]
+    runs = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    return depth_figures(runs, depths, new_tokens)
+
+
+def depth_figures(runs: list[dict], depths: list[int], new_tokens: int) -> dict:
+    """From llama-bench's JSON records: ms per generated token (1000 over its tokens per second) at each depth."""
+    found = {int(r["n_depth"]): 1e3 / float(r["avg_ts"]) for r in runs if int(r["n_gen"]) == new_tokens}
+    if set(found) != set(depths):
+        raise RuntimeError(f"llama-bench reported depths {sorted(found)}, asked for {depths}: {runs}")
+    return {depth_key(d): round(found[d], 4) for d in depths}
+
+
+def depth_key(depth: int) -> str:
+    """The figure of batch-1 decode at `depth` tokens of context, as peers.py's results name it."""
+    return f"b1_ms_per_token_at_{depth}"

@@ -2,7 +2,7 @@
 
     python benchmarks/peers.py [--vllm-python VENV/bin/python] [--llama-cpp DIR] [--threads 2] [--out peers.json]
                                [--chart peers.png] [--work DIR] [--systems hf,kiln-eager,...] [--rounds 3]
-                               [--shape qwen2.5-0.5b|llama3-8b] [--gguf FILE]
+                               [--shape qwen2.5-0.5b|llama3-8b] [--gguf FILE] [--depth D,D,...]
 
 The model is Qwen2.5-0.5B's shape with random fp32 weights, built here (tied embeddings really tied,
 as in the real checkpoint). The workload is the same for every system: 16 prompts of 32 token ids,
@@ -33,6 +33,11 @@ chart is drawn with matplotlib.
 With `--gguf FILE` the model is that GGUF file, the same bytes for both systems: kiln-gguf (compiled, the
 file's projections as kiln holds them by default: a Q4_0/Q4_1 file's as int4 codes unchanged, with the
 int8 LM head) and llama.cpp-gguf (the file as it is).
+
+With `--depth D,D,...` the workload is decode at depth instead: one sequence whose KV cache already holds
+D tokens, 32 greedy tokens timed (`b1_ms_per_token_at_D`). kiln times each engine step as `kiln bench
+decode --depth` does (the median step once the prompt is in the cache); llama.cpp's figure is
+`llama-bench -p 0 -n 32 -d D` (the mean over the 32 tokens). Only kiln's and llama.cpp's systems run at depth.
 """
 
 import argparse
@@ -48,8 +53,11 @@ from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llama_cpp_peer as llama_cpp  # noqa: E402  (benchmarks/, also when this file is loaded by path)
+from kiln.argtypes import depths  # noqa: E402
 
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 16, 32, 64
+DEPTH_STEPS = 32
+"""Tokens timed at each depth of `--depth`."""
 SYSTEMS = ("hf", "kiln-eager", "kiln-fp32", "kiln-int8", "kiln-w7a8", "kiln-int4", "kiln-q8_0", "vllm",
            *llama_cpp.QUANTS)
 GGUF_SYSTEMS = ("kiln-gguf", "llama.cpp-gguf")
@@ -137,8 +145,9 @@ def child_hf(model_dir: str, threads: int, start: float) -> None:
     _report(start_s=round(ready, 3), **_measure(generate))
 
 
-def child_kiln(model_dir: str, threads: int, start: float, system: str, cache: str) -> None:
+def child_kiln(model_dir: str, threads: int, start: float, system: str, cache: str, depths: list[int]) -> None:
     from kiln import LLM, SamplingParams
+    from kiln.bench.decode import decode_step_seconds
 
     options = {"threads": threads}
     if system != "kiln-eager":
@@ -147,8 +156,12 @@ def child_kiln(model_dir: str, threads: int, start: float, system: str, cache: s
         options["lm_head_quantization"] = LM_HEADS[system]
         if KILN_OPTIONS[system]:
             options["quantization"] = KILN_OPTIONS[system][1]
-    llm = LLM(model_dir, max_num_seqs=PROMPTS, **options)
+    llm = LLM(model_dir, max_num_seqs=1 if depths else PROMPTS, **options)
     ready = time.time() - start
+    if depths:
+        decode_step_seconds(llm, 1, 2, min(depths))  # warm-up: first-call costs
+        return _report(**{llama_cpp.depth_key(d): round(decode_step_seconds(llm, 1, DEPTH_STEPS, d) * 1e3, 4)
+                          for d in depths})
 
     def generate(ps, n):
         outs = llm.generate(ps, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
@@ -174,25 +187,26 @@ def child_vllm(model_dir: str, threads: int, start: float) -> None:
 
 
 def child_main(argv: list[str]) -> None:
-    system, model_dir, threads, start, cache = argv
-    threads, start = int(threads), float(start)
+    system, model_dir, threads, start, cache, depths = argv
+    threads, start, depths = int(threads), float(start), [int(d) for d in depths.split(",") if d]
     if system == "hf":
         child_hf(model_dir, threads, start)
     elif system == "vllm":
         child_vllm(model_dir, threads, start)
     else:
-        child_kiln(model_dir, threads, start, system, cache)
+        child_kiln(model_dir, threads, start, system, cache, depths)
 
 
 # ---- parent ----
 
-def run_child(system: str, model_dir: Path, threads: int, cache: Path, python: str, timeout: float = 3600) -> dict:
+def run_child(system: str, model_dir: Path, threads: int, cache: Path, python: str, depths: list[int] = (),
+              timeout: float = 3600) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     if system == "vllm":  # all the machine's threads for the model, none reserved for vLLM's frontend
         env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                 "VLLM_CPU_KVCACHE_SPACE": "2"}
     cmd = [python, str(Path(__file__).resolve()), "--child", system, str(model_dir), str(threads), str(time.time()),
-           str(cache)]
+           str(cache), ",".join(map(str, depths))]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     for line in proc.stdout.splitlines():
         if line.startswith(_MARK):
@@ -239,26 +253,33 @@ def _ratio(rounds: list[dict], name: str, ref: str, key: str) -> float | None:
     return round(median([r[name][key] / r[ref][key] for r in rounds]), 3)
 
 
-def ratios(rounds: list[dict]) -> dict:
+def depth_figures(depths: list[int]) -> dict[str, str]:
+    """`--depth`'s figures, by label and key."""
+    return {f"batch1_ms_per_token_at_{d}": llama_cpp.depth_key(d) for d in depths}
+
+
+def ratios(rounds: list[dict], figures: dict[str, str] = FIGURES) -> dict:
     """Each system's figures over each reference's, taken within each round, then the median over the
     rounds: < 1 is better for times, > 1 for tokens/s."""
     out = {}
     for ref in ("vllm", "hf", "kiln-eager", *llama_cpp.QUANTS, "llama.cpp-gguf"):
         if ref not in rounds[0]:
             continue
-        out[f"vs_{ref}"] = {name: {label: _ratio(rounds, name, ref, key) for label, key in FIGURES.items()}
+        out[f"vs_{ref}"] = {name: {label: _ratio(rounds, name, ref, key) for label, key in figures.items()}
                             for name in rounds[0] if name != ref}
     return out
 
 
-def chart(results: dict, path: Path, title: str = "Qwen2.5-0.5B shape, fp32, random weights") -> None:
+def chart(results: dict, path: Path, title: str = "Qwen2.5-0.5B shape, fp32, random weights",
+          depths: list[int] = ()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("start_s", "start to ready (s)"), ("batch1_ms_per_token", "batch-1 decode (ms/token)"),
-              ("batch16_tok_s", "batch-16 decode (tokens/s)"), ("prefill_s", "prefill 16x32 (s)")]
+    panels = [(llama_cpp.depth_key(d), f"batch-1 decode at depth {d} (ms/token)") for d in depths] or \
+        [("start_s", "start to ready (s)"), ("batch1_ms_per_token", "batch-1 decode (ms/token)"),
+         ("batch16_tok_s", "batch-16 decode (tokens/s)"), ("prefill_s", "prefill 16x32 (s)")]
     names = list(results)
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.8))
     for ax, (key, label) in zip(axes, panels):
@@ -267,8 +288,9 @@ def chart(results: dict, path: Path, title: str = "Qwen2.5-0.5B shape, fp32, ran
         ax.bar_label(bars, fmt="%.3g", fontsize=8)
         ax.set_title(label, fontsize=10)
         ax.tick_params(axis="x", rotation=45, labelsize=8)
-    fig.suptitle(f"{title}, 16 x 32-token prompts, 64 greedy tokens (medians)",
-                 fontsize=10)
+    workload = f"{DEPTH_STEPS} greedy tokens after a prompt of each depth" if depths else \
+        "16 x 32-token prompts, 64 greedy tokens"
+    fig.suptitle(f"{title}, {workload} (medians)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -291,6 +313,9 @@ def main() -> None:
     parser.add_argument("--shape", choices=SHAPES, default="qwen2.5-0.5b", help="the model: Qwen2.5-0.5B's shape in "
                         "fp32 (default), or Llama-3-8B's in bf16 (~16 GB, written shard by shard; only "
                         f"{', '.join(BIG_SYSTEMS)} run on it, and no packed weights are kept on disk)")
+    parser.add_argument("--depth", type=depths, metavar="D,D,...", default=[],
+                        help=f"time batch-1 decode of {DEPTH_STEPS} tokens after D tokens of context instead, "
+                        "at each depth (kiln's and llama.cpp's systems only)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -302,6 +327,11 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown systems {unknown}; choose from {', '.join(allowed)}"
                      + (" (with --gguf)" if args.gguf else ""))
+    if args.depth and [s for s in systems if s in ("hf", "vllm")]:
+        if args.systems != ",".join(SYSTEMS):
+            parser.error(f"--depth times kiln's and llama.cpp's systems only, not "
+                         f"{', '.join(s for s in systems if s in ('hf', 'vllm'))}")
+        systems = [s for s in systems if s not in ("hf", "vllm")]
     if args.gguf and not args.gguf.is_file():
         parser.error(f"--gguf {args.gguf}: no such file")
     if "vllm" in systems and not args.vllm_python:
@@ -337,11 +367,14 @@ def main() -> None:
             measured = {}
             for system in rotated(systems, i):
                 python = args.vllm_python if system == "vllm" else sys.executable
-                if system in ggufs:
+                if system in ggufs and args.depth:
+                    measured[system] = llama_cpp.measure_depths(args.llama_cpp, ggufs[system], args.threads,
+                                                                args.depth, DEPTH_STEPS)
+                elif system in ggufs:
                     measured[system] = llama_cpp.measure(args.llama_cpp, ggufs[system], args.threads, PROMPTS,
                                                          PROMPT_LEN, NEW_TOKENS)
                 else:
-                    measured[system] = run_child(system, model_dir, args.threads, cache, python)
+                    measured[system] = run_child(system, model_dir, args.threads, cache, python, args.depth)
                 print(f"round {i + 1}", system, {k: v for k, v in measured[system].items() if k != "tokens"},
                       file=sys.stderr, flush=True)
             rounds.append({s: measured[s] for s in systems})
@@ -355,15 +388,17 @@ def main() -> None:
             greedy[f"vs_{ref}"] = {n: agreement(t, tokens[ref]) for n, t in tokens.items() if n != ref}
     report = {"machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads,
                           "cpu_flags": _cpu_flags()},
-              "workload": {"shape": str(args.gguf) if args.gguf else args.shape, "prompts": PROMPTS, "prompt_len": PROMPT_LEN,
-                           "new_tokens": NEW_TOKENS, "rounds": args.rounds},
-              "results": results, "ratios": ratios(rounds), "greedy_agreement": greedy,
+              "workload": {"shape": str(args.gguf) if args.gguf else args.shape, "rounds": args.rounds,
+                           **({"depths": args.depth, "new_tokens": DEPTH_STEPS, "batch": 1} if args.depth else
+                              {"prompts": PROMPTS, "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS})},
+              "results": results, "ratios": ratios(rounds, depth_figures(args.depth) if args.depth else FIGURES),
+              "greedy_agreement": greedy,
               "rounds": [{n: {k: v for k, v in r.items() if k != "tokens"} for n, r in rnd.items()} for rnd in rounds]}
     text = json.dumps(report, indent=2)
     print(text)
     args.out.write_text(text + "\n")
     chart(report["results"], args.chart, args.gguf.name if args.gguf else "Llama-3-8B shape, bf16, random weights"
-          if args.shape == "llama3-8b" else "Qwen2.5-0.5B shape, fp32, random weights")
+          if args.shape == "llama3-8b" else "Qwen2.5-0.5B shape, fp32, random weights", args.depth)
     print(f"wrote {args.out} and {args.chart}", file=sys.stderr)
 
 

@@ -5,6 +5,8 @@ what ran beside it)."""
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 spec = importlib.util.spec_from_file_location("peers", Path(__file__).resolve().parents[1] / "benchmarks" / "peers.py")
 peers = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(peers)
@@ -54,3 +56,22 @@ def test_llama_batched_bench_figures_and_gguf_names():
     assert llama_cpp_peer.gguf_name("model.layers.3.self_attn.k_proj.bias") == "blk.3.attn_k.bias"
     assert llama_cpp_peer.gguf_name("model.layers.0.mlp.down_proj.weight") == "blk.0.ffn_down.weight"
     assert llama_cpp_peer.gguf_name("model.embed_tokens.weight") == "token_embd.weight"
+
+
+def test_depth_figures_from_llama_bench_and_their_ratios():
+    """`--depth`: llama-bench's JSON records (a prompt-only test has n_gen 0) become ms per token at each
+    depth, and each depth's ratio is paired within its round like the other figures."""
+    import llama_cpp_peer
+
+    runs = [{"n_prompt": 0, "n_gen": 32, "n_depth": 2048, "avg_ts": 12.5},
+            {"n_prompt": 0, "n_gen": 32, "n_depth": 8192, "avg_ts": 8.0},
+            {"n_prompt": 512, "n_gen": 0, "n_depth": 2048, "avg_ts": 300.0}]
+    llama = llama_cpp_peer.depth_figures(runs, [2048, 8192], 32)
+    assert llama == {"b1_ms_per_token_at_2048": 80.0, "b1_ms_per_token_at_8192": 125.0}
+    with pytest.raises(RuntimeError, match=r"reported depths \[2048, 8192\], asked for \[32, 2048\]"):
+        llama_cpp_peer.depth_figures(runs, [32, 2048], 32)
+    rounds = [{"kiln-fp32": {"b1_ms_per_token_at_2048": 60.0, "b1_ms_per_token_at_8192": 100.0},
+               "llama.cpp-f32": llama}]
+    figures = peers.depth_figures([2048, 8192])
+    assert peers.ratios(rounds, figures)["vs_llama.cpp-f32"]["kiln-fp32"] == {
+        "batch1_ms_per_token_at_2048": 0.75, "batch1_ms_per_token_at_8192": 0.8}

@@ -32,6 +32,7 @@ def _case(seqs: int, hq: int, hkv: int, d: int, block: int, blocks: int, width: 
     (1, 14, 2, 64, 16, 40, 8),  # Qwen2.5-0.5B's heads, batch 1
     (5, 8, 8, 32, 4, 30, 6),  # no GQA, blocks of 4
     (3, 12, 4, 40, 16, 20, 4),  # a head size the 16-wide vectors leave a tail of
+    (2, 6, 3, 36, 8, 24, 12),  # a head size any vector width leaves a tail of, blocks of 8
     (16, 4, 1, 128, 16, 64, 50),  # 16 sequences, one KV head, up to 800 tokens of context
 ])
 @pytest.mark.parametrize("window", [0, 7])
