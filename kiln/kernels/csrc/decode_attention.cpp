@@ -121,10 +121,18 @@ static void kiln_weighted_sum(const float* w, const float* v, int64_t stride, in
 }
 
 // The blocks of a context are scattered over the cache, which the hardware prefetcher does not follow: each
-// block (all its rows, every KV head's) is asked for while the block before it is worked on
-static inline void kiln_prefetch_block(const float* block, int64_t floats) {
-  for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(block + i);
-}
+// block (all its rows, every KV head's) is asked for while the block before it is worked on, a share of its
+// cache lines at each of `steps` steps of that work (asked for at once, they overflow the core's
+// outstanding misses and the requests wait in line)
+struct kiln_ahead {
+  const float* next;
+  int64_t lines, per, done;
+  kiln_ahead(const float* block, int64_t floats, int64_t steps)
+      : next(block), lines(block ? (floats + 15) / 16 : 0), per((lines + steps - 1) / steps), done(0) {}
+  inline void step() {
+    for (int64_t u = 0; u < per && done < lines; ++u, ++done) __builtin_prefetch(next + done * 16);
+  }
+};
 
 // Context rows [lo, hi) of one sequence (block table `table`), every KV head's G query heads q [HKV * G, D]
 // together, so each block of K and V is read whole by one thread (two threads reading one block's
@@ -143,11 +151,12 @@ static void kiln_span(const float* q, const float* keys, const float* values, co
   const int64_t first = lo / BS, last = (hi - 1) / BS, vectors = D / KILN_LANES * KILN_LANES;
   for (int64_t j = first; j <= last; ++j) {  // scores, each query head's over a block's rows eight at a time
     const int64_t r0 = j == first ? lo - j * BS : 0, rows = (j == last ? hi - j * BS : BS) - r0;
-    if (j < last) kiln_prefetch_block(keys + table[j + 1] * block, block);
+    kiln_ahead ahead(j < last ? keys + table[j + 1] * block : nullptr, block, HQ * ((rows + 7) / 8));
     for (int64_t i = 0; i < HQ; ++i) {
       const float *qi = q + i * D, *k = keys + table[j] * block + r0 * stride + i / G * D;
       float* s = scores + i * n + j * BS + r0 - lo;
       for (int64_t r = 0; r < rows; r += 8) {  // past the last row, the last row again, its scores not kept
+        ahead.step();
         const float* kr[8];
         for (int u = 0; u < 8; ++u) kr[u] = k + (r + u < rows ? r + u : rows - 1) * stride;
         kiln_v8 dots = kiln_dot_rows8(qi, kr, vectors);
@@ -184,8 +193,8 @@ static void kiln_span(const float* q, const float* keys, const float* values, co
   }
   for (int64_t j = first; j <= last; ++j) {  // the weighted values, each query head's over a block's rows
     const int64_t r0 = j == first ? lo - j * BS : 0, rows = (j == last ? hi - j * BS : BS) - r0;
-    if (j < last) kiln_prefetch_block(values + table[j + 1] * block, block);
-    for (int64_t i = 0; i < HQ; ++i)
+    kiln_ahead ahead(j < last ? values + table[j + 1] * block : nullptr, block, HQ);
+    for (int64_t i = 0; i < HQ; ++i, ahead.step())
       kiln_weighted_sum(scores + i * n + j * BS + r0 - lo, values + table[j] * block + r0 * stride + i / G * D, stride,
                         rows, D, acc + i * D);
   }
