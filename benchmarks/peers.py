@@ -36,7 +36,8 @@ int8 LM head) and llama.cpp-gguf (the file as it is).
 
 With `--depth D,D,...` the workload is decode at depth instead: one sequence whose KV cache already holds
 D tokens, 32 greedy tokens timed (`b1_ms_per_token_at_D`). kiln times each engine step as `kiln bench
-decode --depth` does (the median step once the prompt is in the cache); llama.cpp's figure is
+decode --depth` does (the median step once the prompt is in the cache, the packed weights once on huge
+pages, as a server's are after a moment idle); llama.cpp's figure is
 `llama-bench -p 0 -n 32 -d D` (the mean over the 32 tokens). Only kiln's and llama.cpp's systems run at depth.
 """
 
@@ -147,7 +148,8 @@ def child_hf(model_dir: str, threads: int, start: float) -> None:
 
 def child_kiln(model_dir: str, threads: int, start: float, system: str, cache: str, depths: list[int]) -> None:
     from kiln import LLM, SamplingParams
-    from kiln.bench.decode import decode_step_seconds
+    from kiln.bench.decode import HUGE_PAGES_WAIT_S, decode_step_seconds
+    from kiln.weights import huge_pages
 
     options = {"threads": threads}
     if system != "kiln-eager":
@@ -158,8 +160,9 @@ def child_kiln(model_dir: str, threads: int, start: float, system: str, cache: s
             options["quantization"] = KILN_OPTIONS[system][1]
     llm = LLM(model_dir, max_num_seqs=1 if depths else PROMPTS, **options)
     ready = time.time() - start
-    if depths:
-        decode_step_seconds(llm, 1, 2, min(depths))  # warm-up: first-call costs
+    if depths:  # timed as `kiln bench decode` times: after a warm-up, once the weights are on huge pages
+        decode_step_seconds(llm, 1, 2, min(depths))
+        huge_pages.wait(HUGE_PAGES_WAIT_S)
         return _report(**{llama_cpp.depth_key(d): round(decode_step_seconds(llm, 1, DEPTH_STEPS, d) * 1e3, 4)
                           for d in depths})
 
