@@ -48,7 +48,7 @@ def test_library_matches_reference(library, shape, window):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("seqs, window", [(1, 0), (1, 1000), (3, 0), (2, 333)])
 def test_long_contexts_split_into_spans_match_the_reference(library, seqs, window, threads):
-    """Contexts of hundreds to thousands of tokens are split into spans (one per task, at least 64 tokens)
+    """Contexts of hundreds to thousands of tokens are split into spans (one per task, at least 128 tokens)
     whose partial softmaxes the kernel merges; batch 1 on one or two threads, unequal lengths, a window that
     starts inside a span, and a block table in no order all give the reference's numbers."""
     query, cache, tables, _ = _case(seqs, 14, 2, 64, 16, 260, 128, seed=seqs + window)
