@@ -284,8 +284,8 @@ def chart(results: dict, path: Path, title: str = "Qwen2.5-0.5B shape, fp32, ran
         [("start_s", "start to ready (s)"), ("batch1_ms_per_token", "batch-1 decode (ms/token)"),
          ("batch16_tok_s", "batch-16 decode (tokens/s)"), ("prefill_s", "prefill 16x32 (s)")]
     names = list(results)
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.8))
-    for ax, (key, label) in zip(axes, panels):
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(4 * len(panels), 10), 3.8), squeeze=False)
+    for ax, (key, label) in zip(axes[0], panels):
         values = [results[n].get(key, 0) for n in names]
         bars = ax.bar(names, values, color=["#c44" if n.startswith("kiln") else "#888" for n in names])
         ax.bar_label(bars, fmt="%.3g", fontsize=8)
