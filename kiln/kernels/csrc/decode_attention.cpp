@@ -27,14 +27,18 @@ static inline kiln_vf kiln_load(const float* p) {
 
 static inline void kiln_store(float* p, kiln_vf x) { __builtin_memcpy(p, &x, sizeof x); }
 
-static inline float kiln_sum(kiln_vf x) {
-  typedef float v8 __attribute__((vector_size(32)));
+// A vector's lanes folded to 8 (AVX-512's halves added), which the lane sums start from
+typedef float kiln_v8 __attribute__((vector_size(32)));
+static inline kiln_v8 kiln_half(kiln_vf x) {
 #if KILN_LANES == 16
-  const v8 h = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
 #else
-  const v8 h = x;
+  return x;
 #endif
+}
+
+static inline float kiln_sum(kiln_vf x) {
+  const kiln_v8 h = kiln_half(x);
   return ((h[0] + h[4]) + (h[1] + h[5])) + ((h[2] + h[6]) + (h[3] + h[7]));
 }
 
@@ -58,16 +62,8 @@ static inline kiln_vf kiln_exp(kiln_vf x) {
 
 // The sums of eight vectors' lanes, as [sum a, ..., sum h]: pairwise sums in three levels, each a shuffle
 // of two vectors (within 128-bit lanes, or of whole halves: one instruction each) and an addition
-typedef float kiln_v8 __attribute__((vector_size(32)));
 static inline kiln_v8 kiln_pairs(kiln_v8 x, kiln_v8 y) {  // lanes 0, 1, 4, 5: x's pair sums; 2, 3, 6, 7: y's
   return __builtin_shufflevector(x, y, 0, 2, 8, 10, 4, 6, 12, 14) + __builtin_shufflevector(x, y, 1, 3, 9, 11, 5, 7, 13, 15);
-}
-static inline kiln_v8 kiln_half(kiln_vf x) {
-#if KILN_LANES == 16
-  return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-  return x;
-#endif
 }
 static inline kiln_v8 kiln_sum8(const kiln_vf* v) {
   const kiln_v8 abcd = kiln_pairs(kiln_pairs(kiln_half(v[0]), kiln_half(v[1])), kiln_pairs(kiln_half(v[2]), kiln_half(v[3])));
@@ -135,8 +131,8 @@ struct kiln_ahead {
 };
 
 // Context rows [lo, hi) of one sequence (block table `table`), every KV head's G query heads q [HKV * G, D]
-// together, so each block of K and V is read whole by one thread (two threads reading one block's
-// interleaved heads each fetch all of it): m[i] = query head i's highest scaled score, l[i] = the sum of
+// together, so each block of K and V is read whole by one thread (one thread per KV head, each reading its
+// head's half of every row, read the cache at a third of the machine's bandwidth): m[i] = query head i's highest scaled score, l[i] = the sum of
 // exp(score - m[i]), acc [HKV * G, D] = the sum of exp(score - m[i]) v, with `scores` room for
 // HKV * G * (hi - lo) floats. K and V are [N, BS, HKV, D] each.
 static void kiln_span(const float* q, const float* keys, const float* values, const int32_t* table, int64_t lo,
@@ -200,6 +196,15 @@ static void kiln_span(const float* q, const float* keys, const float* values, co
   }
 }
 
+// The rows [start, end) of sequence b's context the query attends: its length, clamped to its block table,
+// and only the last `window` of them where window > 0
+static inline int64_t kiln_context(const int32_t* lens, int64_t b, int64_t W, int64_t BS, int64_t window,
+                                   int64_t* start) {
+  const int64_t end = lens[b] < W * BS ? lens[b] : W * BS;
+  *start = window > 0 && end > window ? end - window : 0;
+  return end;
+}
+
 // Spans are at least this many tokens: a shorter one's setup and merge cost more than its thread gains
 #define KILN_MIN_SPAN 128
 
@@ -213,9 +218,8 @@ extern "C" void kiln_decode_attention(const float* q, const float* cache, const 
   const float scale = params[0];
   const int64_t window = (int64_t)params[1], G = HQ / HKV, half = N * BS * HKV * D;
   int64_t longest = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t ctx = lens[b] < W * BS ? lens[b] : W * BS;
-    const int64_t n = window > 0 && ctx > window ? window : ctx;
+  for (int64_t b = 0, start; b < B; ++b) {
+    const int64_t n = kiln_context(lens, b, W, BS, window, &start) - start;
     longest = n > longest ? n : longest;
   }
   const int64_t threads = omp_get_max_threads(), most = longest / KILN_MIN_SPAN > 1 ? longest / KILN_MIN_SPAN : 1;
@@ -230,8 +234,8 @@ extern "C" void kiln_decode_attention(const float* q, const float* cache, const 
     #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t b = 0; b < B; ++b)
       for (int64_t s = 0; s < S; ++s) {
-        const int64_t ctx = lens[b] < W * BS ? lens[b] : W * BS;
-        const int64_t start = window > 0 && ctx > window ? ctx - window : 0, n = ctx - start;
+        int64_t start;
+        const int64_t n = kiln_context(lens, b, W, BS, window, &start) - start;
         const int64_t lo = start + n * s / S, hi = start + n * (s + 1) / S;
         if (HQ * (hi - lo) > capacity) {
           capacity = HQ * (hi - lo);
