@@ -146,11 +146,18 @@ _ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*\d+\s*\|\s*([\d
                   r"\s*([\d.]+)\s*\|")
 
 
-def measure(llama_cpp: Path, model: Path, threads: int, prompts: int, prompt_len: int, new_tokens: int) -> dict:
+def kv_cache_flags(kv_cache_dtype: str) -> list[str]:
+    """llama.cpp's KV-cache options for kiln's `--kv-cache-dtype`: int8 is its q8_0 for K and V (a scale per 32);
+    auto keeps its default, f16."""
+    return ["-ctk", "q8_0", "-ctv", "q8_0"] if kv_cache_dtype == "int8" else []
+
+
+def measure(llama_cpp: Path, model: Path, threads: int, prompts: int, prompt_len: int, new_tokens: int,
+            kv_cache_dtype: str = "auto") -> dict:
     """peers.py's figures from one `llama-batched-bench` run at batch 1 and `prompts`."""
     cmd = [str(llama_cpp / "bin" / "llama-batched-bench"), "-m", str(model), "-npp", str(prompt_len), "-ntg",
            str(new_tokens), "-npl", f"1,{prompts}", "-t", str(threads), "--poll", "0", "-lm", "none",
-           "-c", str(prompts * (prompt_len + new_tokens))]
+           "-c", str(prompts * (prompt_len + new_tokens)), *kv_cache_flags(kv_cache_dtype)]
     return figures(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout, prompts, new_tokens)
 
 
@@ -165,15 +172,42 @@ def figures(table: str, prompts: int, new_tokens: int) -> dict:
             "batch1_ms_per_token": float(one[5]) / new_tokens * 1e3}
 
 
-def measure_depths(llama_cpp: Path, model: Path, threads: int, depths: list[int], new_tokens: int) -> dict:
+def measure_depths(llama_cpp: Path, model: Path, threads: int, depths: list[int], new_tokens: int,
+                   kv_cache_dtype: str = "auto") -> dict:
     """peers.py's `--depth` figures from one `llama-bench` run: batch-1 ms per token of `new_tokens`
     generated after `-d D` tokens of context, at each depth D."""
     import json
 
     cmd = [str(llama_cpp / "bin" / "llama-bench"), "-m", str(model), "-p", "0", "-n", str(new_tokens),
-           "-d", ",".join(map(str, depths)), "-r", "1", "-t", str(threads), "--poll", "0", "-lm", "none", "-o", "json"]
+           "-d", ",".join(map(str, depths)), "-r", "1", "-t", str(threads), "--poll", "0", "-lm", "none", "-o", "json",
+           *kv_cache_flags(kv_cache_dtype)]
     runs = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     return depth_figures(runs, depths, new_tokens)
+
+
+def measure_prefills(llama_cpp: Path, model: Path, threads: int, lengths: list[int],
+                     kv_cache_dtype: str = "auto") -> dict:
+    """peers.py's `--depth` prefill figures from one `llama-bench -p N,... -n 0` run: seconds to process a
+    prompt of N tokens (in llama.cpp's batches of 2048), at each N."""
+    import json
+
+    cmd = [str(llama_cpp / "bin" / "llama-bench"), "-m", str(model), "-p", ",".join(map(str, lengths)), "-n", "0",
+           "-r", "1", "-t", str(threads), "--poll", "0", "-lm", "none", "-o", "json", *kv_cache_flags(kv_cache_dtype)]
+    return prefill_figures(json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout), lengths)
+
+
+def prefill_figures(runs: list[dict], lengths: list[int]) -> dict:
+    """From llama-bench's JSON records: seconds to prefill each prompt length (its tokens over tokens per second)."""
+    found = {int(r["n_prompt"]): int(r["n_prompt"]) / float(r["avg_ts"]) for r in runs
+             if int(r["n_gen"]) == 0 and int(r.get("n_depth", 0)) == 0}
+    if set(found) != set(lengths):
+        raise RuntimeError(f"llama-bench reported prompts of {sorted(found)}, asked for {lengths}: {runs}")
+    return {prefill_key(n): round(found[n], 4) for n in lengths}
+
+
+def prefill_key(tokens: int) -> str:
+    """The figure of a prompt of `tokens` prefilled, in seconds, as peers.py's results name it."""
+    return f"prefill_s_of_{tokens}"
 
 
 def depth_figures(runs: list[dict], depths: list[int], new_tokens: int) -> dict:

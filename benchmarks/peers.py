@@ -3,6 +3,7 @@
     python benchmarks/peers.py [--vllm-python VENV/bin/python] [--llama-cpp DIR] [--threads 2] [--out peers.json]
                                [--chart peers.png] [--work DIR] [--systems hf,kiln-eager,...] [--rounds 3]
                                [--shape qwen2.5-0.5b|llama3-8b] [--gguf FILE] [--depth D,D,...]
+                               [--kv-cache-dtype auto|int8]
 
 The model is Qwen2.5-0.5B's shape with random fp32 weights, built here (tied embeddings really tied,
 as in the real checkpoint). The workload is the same for every system: 16 prompts of 32 token ids,
@@ -39,6 +40,12 @@ D tokens, 32 greedy tokens timed (`b1_ms_per_token_at_D`). kiln times each engin
 decode --depth` does (the median step once the prompt is in the cache, the packed weights once on huge
 pages, as a server's are after a moment idle); llama.cpp's figure is
 `llama-bench -p 0 -n 32 -d D` (the mean over the 32 tokens). Only kiln's and llama.cpp's systems run at depth.
+Each depth of 512 or more also times its prompt's prefill (`prefill_s_of_D`): kiln's from the prompt to its
+first token, in the engine's chunks of `max_num_batched_tokens` (2048) after a warm-up, a prompt that shares
+no cached prefix; llama.cpp's `llama-bench -p D -n 0` (its batches of 2048).
+
+`--kv-cache-dtype int8` gives kiln's systems an int8 KV cache and llama.cpp's `-ctk q8_0 -ctv q8_0`; by
+default kiln's cache holds the model's dtype and llama.cpp's f16 (its default).
 """
 
 import argparse
@@ -59,6 +66,8 @@ from kiln.argtypes import depths  # noqa: E402
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 16, 32, 64
 DEPTH_STEPS = 32
 """Tokens timed at each depth of `--depth`."""
+PREFILL_TIMED = 512
+"""`--depth`'s depths from which the prompt's prefill is timed too."""
 SYSTEMS = ("hf", "kiln-eager", "kiln-fp32", "kiln-int8", "kiln-w7a8", "kiln-int4", "kiln-q8_0", "vllm",
            *llama_cpp.QUANTS)
 GGUF_SYSTEMS = ("kiln-gguf", "llama.cpp-gguf")
@@ -146,12 +155,13 @@ def child_hf(model_dir: str, threads: int, start: float) -> None:
     _report(start_s=round(ready, 3), **_measure(generate))
 
 
-def child_kiln(model_dir: str, threads: int, start: float, system: str, cache: str, depths: list[int]) -> None:
+def child_kiln(model_dir: str, threads: int, start: float, system: str, cache: str, depths: list[int],
+               kv_cache_dtype: str) -> None:
     from kiln import LLM, SamplingParams
-    from kiln.bench.decode import HUGE_PAGES_WAIT_S, decode_step_seconds
+    from kiln.bench.decode import HUGE_PAGES_WAIT_S, decode_step_seconds, prefill_seconds
     from kiln.weights import huge_pages
 
-    options = {"threads": threads}
+    options = {"threads": threads, "kv_cache_dtype": kv_cache_dtype}
     if system != "kiln-eager":
         options |= {"compile": True, "require_artifact": True, "cache_dir": cache}
     if system in LM_HEADS:
@@ -163,8 +173,10 @@ def child_kiln(model_dir: str, threads: int, start: float, system: str, cache: s
     if depths:  # timed as `kiln bench decode` times: after a warm-up, once the weights are on huge pages
         decode_step_seconds(llm, 1, 2, min(depths))
         huge_pages.wait(HUGE_PAGES_WAIT_S)
+        prefills = {llama_cpp.prefill_key(d): round(prefill_seconds(llm, d, salt), 4)
+                    for salt, d in enumerate(depths) if d >= PREFILL_TIMED}
         return _report(**{llama_cpp.depth_key(d): round(decode_step_seconds(llm, 1, DEPTH_STEPS, d) * 1e3, 4)
-                          for d in depths})
+                          for d in depths}, **prefills)
 
     def generate(ps, n):
         outs = llm.generate(ps, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
@@ -190,26 +202,26 @@ def child_vllm(model_dir: str, threads: int, start: float) -> None:
 
 
 def child_main(argv: list[str]) -> None:
-    system, model_dir, threads, start, cache, depths = argv
+    system, model_dir, threads, start, cache, depths, kv_cache_dtype = argv
     threads, start, depths = int(threads), float(start), [int(d) for d in depths.split(",") if d]
     if system == "hf":
         child_hf(model_dir, threads, start)
     elif system == "vllm":
         child_vllm(model_dir, threads, start)
     else:
-        child_kiln(model_dir, threads, start, system, cache, depths)
+        child_kiln(model_dir, threads, start, system, cache, depths, kv_cache_dtype)
 
 
 # ---- parent ----
 
 def run_child(system: str, model_dir: Path, threads: int, cache: Path, python: str, depths: list[int] = (),
-              timeout: float = 3600) -> dict:
+              kv_cache_dtype: str = "auto", timeout: float = 3600) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     if system == "vllm":  # all the machine's threads for the model, none reserved for vLLM's frontend
         env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                 "VLLM_CPU_KVCACHE_SPACE": "2"}
     cmd = [python, str(Path(__file__).resolve()), "--child", system, str(model_dir), str(threads), str(time.time()),
-           str(cache), ",".join(map(str, depths))]
+           str(cache), ",".join(map(str, depths)), kv_cache_dtype]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     for line in proc.stdout.splitlines():
         if line.startswith(_MARK):
@@ -217,11 +229,12 @@ def run_child(system: str, model_dir: Path, threads: int, cache: Path, python: s
     raise RuntimeError(f"{system} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
-def compile_artifact(system: str, model_dir: Path, cache: Path, threads: int) -> float:
+def compile_artifact(system: str, model_dir: Path, cache: Path, threads: int, kv_cache_dtype: str = "auto") -> float:
     start = time.perf_counter()
     head = ["--lm-head-quantization", LM_HEADS[system]] if system in LM_HEADS else []
     proc = subprocess.run(["kiln", "compile", str(model_dir), "--cache-dir", str(cache), "--threads", str(threads),
-                           *KILN_OPTIONS[system], *head], capture_output=True, text=True)
+                           "--kv-cache-dtype", kv_cache_dtype, *KILN_OPTIONS[system], *head], capture_output=True,
+                          text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"kiln compile for {system} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return round(time.perf_counter() - start, 2)
@@ -258,7 +271,8 @@ def _ratio(rounds: list[dict], name: str, ref: str, key: str) -> float | None:
 
 def depth_figures(depths: list[int]) -> dict[str, str]:
     """`--depth`'s figures, by label and key."""
-    return {f"batch1_ms_per_token_at_{d}": llama_cpp.depth_key(d) for d in depths}
+    return {f"batch1_ms_per_token_at_{d}": llama_cpp.depth_key(d) for d in depths} | \
+        {f"prefill_s_of_{d}": llama_cpp.prefill_key(d) for d in depths if d >= PREFILL_TIMED}
 
 
 def ratios(rounds: list[dict], figures: dict[str, str] = FIGURES) -> dict:
@@ -280,7 +294,8 @@ def chart(results: dict, path: Path, title: str = "Qwen2.5-0.5B shape, fp32, ran
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(llama_cpp.depth_key(d), f"batch-1 decode at depth {d} (ms/token)") for d in depths] or \
+    panels = [(llama_cpp.depth_key(d), f"batch-1 decode at depth {d} (ms/token)") for d in depths] + \
+        [(llama_cpp.prefill_key(d), f"prefill of {d} tokens (s)") for d in depths if d >= PREFILL_TIMED] or \
         [("start_s", "start to ready (s)"), ("batch1_ms_per_token", "batch-1 decode (ms/token)"),
          ("batch16_tok_s", "batch-16 decode (tokens/s)"), ("prefill_s", "prefill 16x32 (s)")]
     names = list(results)
@@ -319,6 +334,9 @@ def main() -> None:
     parser.add_argument("--depth", type=depths, metavar="D,D,...", default=[],
                         help=f"time batch-1 decode of {DEPTH_STEPS} tokens after D tokens of context instead, "
                         "at each depth (kiln's and llama.cpp's systems only)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto", help="int8: kiln's systems "
+                        "with an int8 KV cache, llama.cpp's with -ctk q8_0 -ctv q8_0 (default auto: kiln's model "
+                        "dtype, llama.cpp's f16; hf and vLLM keep theirs)")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
@@ -357,7 +375,8 @@ def main() -> None:
         if big:  # the packed weights of an 8B model would take the disk the GGUFs need
             os.environ["KILN_PACK_CACHE"] = "off"
         cache = work / "cache"
-        compiled = {s: compile_artifact(s, model_dir, cache, args.threads) for s in systems if s in COMPILED}
+        compiled = {s: compile_artifact(s, model_dir, cache, args.threads, args.kv_cache_dtype)
+                    for s in systems if s in COMPILED}
         if "vllm" in systems:  # a first start fills vLLM's compile cache: the table's "warm cache"
             run_child("vllm", model_dir, args.threads, cache, args.vllm_python)
         quants = [s for s in systems if s in llama_cpp.QUANTS]
@@ -372,12 +391,17 @@ def main() -> None:
                 python = args.vllm_python if system == "vllm" else sys.executable
                 if system in ggufs and args.depth:
                     measured[system] = llama_cpp.measure_depths(args.llama_cpp, ggufs[system], args.threads,
-                                                                args.depth, DEPTH_STEPS)
+                                                                args.depth, DEPTH_STEPS, args.kv_cache_dtype)
+                    long = [d for d in args.depth if d >= PREFILL_TIMED]
+                    if long:
+                        measured[system] |= llama_cpp.measure_prefills(args.llama_cpp, ggufs[system], args.threads,
+                                                                       long, args.kv_cache_dtype)
                 elif system in ggufs:
                     measured[system] = llama_cpp.measure(args.llama_cpp, ggufs[system], args.threads, PROMPTS,
-                                                         PROMPT_LEN, NEW_TOKENS)
+                                                         PROMPT_LEN, NEW_TOKENS, args.kv_cache_dtype)
                 else:
-                    measured[system] = run_child(system, model_dir, args.threads, cache, python, args.depth)
+                    measured[system] = run_child(system, model_dir, args.threads, cache, python, args.depth,
+                                                 args.kv_cache_dtype)
                 print(f"round {i + 1}", system, {k: v for k, v in measured[system].items() if k != "tokens"},
                       file=sys.stderr, flush=True)
             rounds.append({s: measured[s] for s in systems})
@@ -392,6 +416,7 @@ def main() -> None:
     report = {"machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads,
                           "cpu_flags": _cpu_flags()},
               "workload": {"shape": str(args.gguf) if args.gguf else args.shape, "rounds": args.rounds,
+                           "kv_cache_dtype": args.kv_cache_dtype,
                            **({"depths": args.depth, "new_tokens": DEPTH_STEPS, "batch": 1} if args.depth else
                               {"prompts": PROMPTS, "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS})},
               "results": results, "ratios": ratios(rounds, depth_figures(args.depth) if args.depth else FIGURES),

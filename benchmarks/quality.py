@@ -2,7 +2,7 @@
 
     python benchmarks/smollm2.py                  # once: fetch and convert the model (build/smollm2)
     python benchmarks/quality.py [--llama-cpp DIR] [--systems hf,kiln-fp32,...] [--text FILE] [--ctx 256]
-                                 [--windows N] [--threads N] [--work DIR] [--out FILE.json]
+                                 [--windows N] [--threads N] [--kv-cache-dtype int8] [--work DIR] [--out FILE.json]
 
 Perplexity follows llama.cpp's `llama-perplexity` on both sides: the text is tokenized once and cut
 into consecutive windows of `--ctx` tokens; each window is run from its start and scored on its second
@@ -22,6 +22,11 @@ kiln-int8 and kiln-int4 (with the int8 LM head, as `peers.py` runs them), kiln-w
 (`--gguf FILE`, by default the model's own file beside its directory): the same bytes on both sides,
 kiln holding them as it does by default (a Q4_0/Q4_1 file's projections as int4 codes unchanged, with
 the int8 LM head).
+
+`--kv-cache-dtype int8` stores every system's KV cache in 8 bits: kiln's int8 cache (codes and a scale per
+token and KV head) and llama.cpp's `-ctk q8_0 -ctv q8_0` in its perplexity (its default cache is f16; its
+greedy text, from `llama-simple`, keeps that default). What the cache costs is the perplexity of a run with
+it over one without, at a long `--ctx` (2048).
 """
 
 import argparse
@@ -122,12 +127,12 @@ def _hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:
 
 
 def kiln_run(system: str, model_dir: Path, chunks: list[list[int]], prompts: list[list[int]], ctx: int,
-             cache: Path, threads: int | None, new_tokens: int = GREEDY_TOKENS) -> dict:
+             cache: Path, threads: int | None, new_tokens: int = GREEDY_TOKENS, kv_cache_dtype: str = "auto") -> dict:
     """kiln's `system`: each window's `prompt_logprobs`, and greedy tokens (windows a few at a time, so the
     logprob rows of one step stay small)."""
     from kiln import LLM, SamplingParams
 
-    options: dict = {"threads": threads}
+    options: dict = {"threads": threads, "kv_cache_dtype": kv_cache_dtype}
     if system != "kiln-eager":
         options |= {"compile": True, "cache_dir": cache}
     if system in LM_HEADS:
@@ -149,9 +154,10 @@ def kiln_run(system: str, model_dir: Path, chunks: list[list[int]], prompts: lis
 
 
 def llama_cpp_run(system: str, files: dict[str, Path], llama_cpp_dir: Path, text: Path, ctx: int,
-                  limit: int | None, threads: int) -> dict:
+                  limit: int | None, threads: int, kv_cache_dtype: str = "auto") -> dict:
     cmd = [str(llama_cpp_dir / "bin" / "llama-perplexity"), "-m", str(files[system]), "-f", str(text), "-c", str(ctx),
-           "-b", str(ctx), "-t", str(threads), "--poll", "0", *(["--chunks", str(limit)] if limit else [])]
+           "-b", str(ctx), "-t", str(threads), "--poll", "0", *(["--chunks", str(limit)] if limit else []),
+           *llama_cpp.kv_cache_flags(kv_cache_dtype)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{system}: llama-perplexity exited {proc.returncode}:\n{proc.stderr[-2000:]}")
@@ -256,6 +262,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the JSON here too")
     parser.add_argument("--gguf", type=Path, metavar="FILE", help="the GGUF file kiln-gguf and llama.cpp-gguf run "
                         "(default: the model's own, beside its directory)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto", help="int8: every system's KV "
+                        "cache in 8 bits (kiln's int8, llama.cpp's q8_0); default auto: kiln's model dtype, llama.cpp's f16")
     args = parser.parse_args()
     systems = [s for s in args.systems.split(",") if s]
     unknown = [s for s in systems if s not in SYSTEMS]
@@ -276,7 +284,7 @@ def main() -> None:
     chunks = windows(tokens, args.ctx, args.windows)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     results: dict = {"model": str(model), "text": str(args.text), "tokens": len(tokens), "ctx": args.ctx,
-                     "windows": len(chunks), "threads": args.threads, "runs": {}}
+                     "windows": len(chunks), "threads": args.threads, "kv_cache_dtype": args.kv_cache_dtype, "runs": {}}
     print(f"{len(tokens)} tokens, {len(chunks)} windows of {args.ctx}", flush=True)
     with tempfile.TemporaryDirectory(prefix="kiln-quality-") as tmp:
         work = args.work or Path(tmp)
@@ -300,9 +308,11 @@ def main() -> None:
                     run = hf_run(model, chunks, prompts, args.ctx)
                 elif system in KILN:
                     source = files["llama.cpp-gguf"] if system == "kiln-gguf" else model
-                    run = kiln_run(system, source, chunks, prompts, args.ctx, work / "cache", args.threads)
+                    run = kiln_run(system, source, chunks, prompts, args.ctx, work / "cache", args.threads,
+                                   kv_cache_dtype=args.kv_cache_dtype)
                 else:
-                    run = llama_cpp_run(system, files, args.llama_cpp, args.text, args.ctx, args.windows, args.threads)
+                    run = llama_cpp_run(system, files, args.llama_cpp, args.text, args.ctx, args.windows, args.threads,
+                                        args.kv_cache_dtype)
             except Exception as e:  # one system's failure is reported, the others still run
                 run = {"error": f"{type(e).__name__}: {e}"}
             run["seconds"] = round(time.perf_counter() - start, 1)

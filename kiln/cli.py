@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from kiln.argtypes import at_least, fraction, not_negative, positive, units
-from kiln.config import DTYPES, LM_HEAD_QUANTIZATIONS, NO_QUANTIZATION, QUANTIZATIONS
+from kiln.config import DTYPES, KV_CACHE_DTYPES, LM_HEAD_QUANTIZATIONS, NO_QUANTIZATION, QUANTIZATIONS
 from kiln.errors import KilnError
 
 DTYPE_CHOICES = ["auto", *DTYPES]
@@ -41,7 +41,7 @@ def _custom_passes(args: argparse.Namespace) -> list:
 def _shaped_model(args: argparse.Namespace):
     """The model `args` name, with uninitialized weights: compiling and keys need shapes and dtypes only."""
 
-    from kiln.config import ParallelConfig, parse_device, parse_dtype
+    from kiln.config import ParallelConfig, parse_device, parse_dtype, parse_kv_cache_dtype
     from kiln.models.config import ModelConfig
     from kiln.models.quantization import check_int4_placement
     from kiln.models.registry import create_model
@@ -63,6 +63,7 @@ def _shaped_model(args: argparse.Namespace):
         from kiln.models.lm_head import quantize_lm_head
 
         quantize_lm_head(model, args.lm_head_quantization, pack=False)
+    model.kv_cache_dtype = parse_kv_cache_dtype(args.kv_cache_dtype, device)  # the cache write's dtype: a key factor
     return model
 
 
@@ -146,6 +147,7 @@ def _llm(args: argparse.Namespace, compile: bool, **options):
         cudagraph_sizes=() if args.no_cudagraphs else args.cudagraph_sizes,
         threads=args.threads,
         lm_head_quantization=args.lm_head_quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_memory_bytes=args.kv_cache_memory,
         max_model_len=args.max_model_len,
         memory_utilization=args.memory_utilization,
@@ -244,6 +246,11 @@ def _add_compile_options(parser: argparse.ArgumentParser, cache_dir: bool = True
                         "GEMM, else per token): a quarter of fp32's bytes, for large "
                         "vocabularies (w7a8: 7-bit weight codes, faster on x86 CPUs without VNNI); "
                         "benchmarks/quantization.py reports its effect on greedy outputs (default: the model dtype)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="how the KV cache stores "
+                        "keys and values: auto, the model's dtype; int8, int8 codes with an fp32 scale per token and KV "
+                        "head (CPU only): about a quarter of fp32's bytes, so four times the tokens in the same "
+                        "--kv-cache-memory and less to read at depth (the compiled cache write quantizes, so it is "
+                        "part of the artifact)")
     parser.add_argument("--tensor-parallel-size", type=at_least(1), default=1, metavar="N", help="split the model "
                         "over N ranks (gloo on CPU, NCCL on CUDA). compile builds the one artifact all N ranks load; "
                         "generate and serve start the ranks under torchrun unless already run by it (default 1)")

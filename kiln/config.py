@@ -20,6 +20,8 @@ weight codes, which x86 CPUs without VNNI multiply about twice as fast as exact 
 NO_QUANTIZATION = "none"
 """`--quantization none`: full precision, also for a checkpoint whose stored codes would otherwise run as they
 are (a quantized GGUF file runs in the scheme nearest its types unless told this)."""
+KV_CACHE_DTYPES = ("auto", "int8")
+"""`--kv-cache-dtype`: the model's dtype, or int8 codes with a scale per token and KV head (CPU only)."""
 LM_HEAD_QUANTIZATIONS = ("int8", "w7a8")
 """`--lm-head-quantization` schemes (`kiln.models.lm_head`): the same two int8 forms."""
 
@@ -35,6 +37,20 @@ def parse_dtype(name: str) -> "torch.dtype":
     if name not in DTYPES:
         raise KilnError(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)}")
     return getattr(torch, name)
+
+
+def parse_kv_cache_dtype(name: str, device: "torch.device") -> "torch.dtype | None":
+    """A `--kv-cache-dtype` as the cache's dtype: None for "auto" (the model's)."""
+    import torch
+
+    if name not in KV_CACHE_DTYPES:
+        raise KilnError(f"unknown KV cache dtype {name!r}; choose from {', '.join(KV_CACHE_DTYPES)}")
+    if name == "auto":
+        return None
+    if device.type != "cpu":
+        raise KilnError(f"--kv-cache-dtype {name} runs on CPU only for now (the CUDA attention kernels read the "
+                        "model's dtype): leave it at auto on a GPU")
+    return torch.int8
 
 
 def parse_device(name: str) -> "torch.device":

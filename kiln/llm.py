@@ -11,7 +11,7 @@ import torch
 
 from kiln.compiler.key import cache_key, kiln_source_hash, model_factors
 from kiln.config import (CompileConfig, EngineConfig, ParallelConfig, cpu_has_native_bf16, default_cache_dir,
-                         parse_device, parse_dtype)
+                         parse_device, parse_dtype, parse_kv_cache_dtype)
 from kiln.errors import KilnError
 from kiln.models.config import ModelConfig
 from kiln.models.lm_head import quantize_lm_head
@@ -57,7 +57,9 @@ class LLM:
     threads (default: the machine's physical cores). `lm_head_quantization="int8"` (or "w7a8") runs the LM
     head on int8 weights (per channel) and activations (per 32 on an artifact's blocked int8 GEMM, else per
     token): a quarter of fp32's bytes, for large
-    vocabularies; `benchmarks/quantization.py` reports its effect on greedy outputs.
+    vocabularies; `benchmarks/quantization.py` reports its effect on greedy outputs. `kv_cache_dtype="int8"`
+    (CPU) stores the KV cache as int8 codes with a scale per token and KV head: about a quarter of fp32's
+    bytes, so four times the tokens in the same memory, and a quarter of the bytes decode reads at depth.
 
     >>> llm = LLM("path/to/model")
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))[0].text
@@ -79,6 +81,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         threads: int | None = None,
         lm_head_quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
         **engine_options,
     ):
         start = time.perf_counter()
@@ -96,6 +99,8 @@ class LLM:
         self.parallel = _join_group(tensor_parallel_size, chosen.type)
         self.device = _pin(chosen)
         engine_config = EngineConfig(**engine_options)
+        self.kv_cache_dtype = parse_kv_cache_dtype(kv_cache_dtype, self.device)
+        """The KV cache's dtype where it is not the model's (None): torch.int8 for `kv_cache_dtype="int8"`."""
         self.quantization = check_scheme(stored_or(quantization, self.weights))
         """The scheme the projections were quantized to at load (None: as the checkpoint has them)."""
         held = getattr(self.model_config.quantization, "scheme", None)
@@ -103,6 +108,7 @@ class LLM:
         self._check_memory(engine_config)
         self.model = create_model(self.model_config, parse_dtype(self.dtype), self.device, self.parallel,
                                   quantize=self.quantization)  # a projection at a time: never all in full precision
+        self.model.kv_cache_dtype = self.kv_cache_dtype
         self.checkpoint_checksum = self.weights.load_into(self.model)
         """The checksum of every checkpoint byte loaded (`kiln.checksum`): what keys the packed weights."""
         if self.quantization:  # done while loading; this refuses a checkpoint quantized with another scheme
@@ -162,7 +168,7 @@ class LLM:
             raise KilnError(f"max_model_len {c.max_model_len} exceeds the model's max_position_embeddings "
                             f"{cfg.max_position_embeddings}: give --max-model-len {cfg.max_position_embeddings} or less")
         dtype, world = parse_dtype(self.dtype), self.parallel.world_size
-        per_token = bytes_per_block(cfg, 1, dtype, max(1, cfg.num_kv_heads // world))  # this rank's heads
+        per_token = bytes_per_block(cfg, 1, self.kv_cache_dtype or dtype, max(1, cfg.num_kv_heads // world))
         given = c.kv_cache_memory_bytes
         if given is not None:
             holds = given // (per_token * c.block_size) * c.block_size

@@ -70,8 +70,18 @@ def test_depth_figures_from_llama_bench_and_their_ratios():
     assert llama == {"b1_ms_per_token_at_2048": 80.0, "b1_ms_per_token_at_8192": 125.0}
     with pytest.raises(RuntimeError, match=r"reported depths \[2048, 8192\], asked for \[32, 2048\]"):
         llama_cpp_peer.depth_figures(runs, [32, 2048], 32)
-    rounds = [{"kiln-fp32": {"b1_ms_per_token_at_2048": 60.0, "b1_ms_per_token_at_8192": 100.0},
+    prefills = [{"n_prompt": 2048, "n_gen": 0, "n_depth": 0, "avg_ts": 400.0},
+                {"n_prompt": 8192, "n_gen": 0, "n_depth": 0, "avg_ts": 256.0}]
+    llama |= llama_cpp_peer.prefill_figures(prefills + runs, [2048, 8192])  # a prefill at depth is not one
+    assert llama["prefill_s_of_2048"] == 5.12 and llama["prefill_s_of_8192"] == 32.0
+    with pytest.raises(RuntimeError, match=r"reported prompts of \[2048, 8192\], asked for \[512\]"):
+        llama_cpp_peer.prefill_figures(prefills, [512])
+    rounds = [{"kiln-fp32": {"b1_ms_per_token_at_2048": 60.0, "b1_ms_per_token_at_8192": 100.0,
+                             "prefill_s_of_2048": 2.56, "prefill_s_of_8192": 16.0},
                "llama.cpp-f32": llama}]
-    figures = peers.depth_figures([2048, 8192])
+    figures = peers.depth_figures([32, 2048, 8192])  # a prefill is timed from 512 tokens on
     assert peers.ratios(rounds, figures)["vs_llama.cpp-f32"]["kiln-fp32"] == {
-        "batch1_ms_per_token_at_2048": 0.75, "batch1_ms_per_token_at_8192": 0.8}
+        "batch1_ms_per_token_at_32": None, "batch1_ms_per_token_at_2048": 0.75, "batch1_ms_per_token_at_8192": 0.8,
+        "prefill_s_of_2048": 0.5, "prefill_s_of_8192": 0.5}
+    assert llama_cpp_peer.kv_cache_flags("int8") == ["-ctk", "q8_0", "-ctv", "q8_0"]
+    assert llama_cpp_peer.kv_cache_flags("auto") == []

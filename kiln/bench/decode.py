@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kiln.argtypes import batch_sizes, depths
-from kiln.config import DTYPES, LM_HEAD_QUANTIZATIONS, QUANTIZATIONS
+from kiln.config import DTYPES, KV_CACHE_DTYPES, LM_HEAD_QUANTIZATIONS, QUANTIZATIONS
 from kiln.errors import KilnError
 
 logger = logging.getLogger(__name__)
@@ -139,6 +139,18 @@ def decode_step_seconds(llm, batch: int, steps: int, prompt_len: int = 32, vocab
     return statistics.median(times)
 
 
+def prefill_seconds(llm, prompt_len: int, salt: int = 0, vocab: int = 1000) -> float:
+    """Wall time from a prompt of `prompt_len` tokens to its first new token, prefilled in the engine's chunks
+    (`max_num_batched_tokens`). Its tokens depend on `salt`: prompts of other salts, and `decode_step_seconds`'s,
+    share no prefix-cached block with it."""
+    from kiln import SamplingParams
+
+    prompt = [(13 * i + 17 * salt + 5) % vocab + 1 for i in range(prompt_len)]
+    start = time.perf_counter()
+    llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    return time.perf_counter() - start
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", metavar="MODEL_DIR", help="Hugging Face model directory")
     parser.add_argument("--batches", type=batch_sizes, default=[1, 16], metavar="B,B,...",
@@ -157,6 +169,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=QUANTIZATIONS, help="quantized projections: W8A8 (w7a8: 7-bit "
                         "weight codes), or int4 (W4A8)")
     parser.add_argument("--lm-head-quantization", choices=LM_HEAD_QUANTIZATIONS, help="an int8 LM head")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="the KV cache's dtype "
+                        "(int8: codes and a scale per token and KV head)")
     parser.add_argument("--threads", type=int, metavar="N", help="CPU threads (default: the physical cores)")
     parser.add_argument("--out", type=Path, metavar="FILE.json", help="write the JSON here too")
 
@@ -170,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
             raise KilnError(f"--{name} must be at least 1, got {getattr(args, name)}")
     llm = LLM(args.model_dir, dtype=args.dtype, compile=args.compile or args.require_artifact,
               require_artifact=args.require_artifact, cache_dir=args.cache_dir, quantization=args.quantization,
-              lm_head_quantization=args.lm_head_quantization, threads=args.threads,
+              lm_head_quantization=args.lm_head_quantization, threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
               max_num_seqs=max(args.batches))
     engine = llm.engine
     holds = engine.scheduler.allocator.num_blocks * engine.config.block_size
@@ -218,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
                              "floor_fraction": round(statistics.median(r["floor_fraction"][d][b] for r in rounds), 3)}
     report = {"model": str(args.model_dir), "dtype": llm.dtype, "compiled": llm.artifact_path is not None,
               "quantization": args.quantization, "lm_head_quantization": args.lm_head_quantization,
-              "threads": llm.threads, "greedy_screen": screened, "weight_bytes_per_step": weights,
+              "kv_cache_dtype": args.kv_cache_dtype, "threads": llm.threads, "greedy_screen": screened, "weight_bytes_per_step": weights,
               "kv_bytes_per_token": kv_token, "read_bandwidth_gb_s": round(bandwidth / 1e9, 2),
               "huge_page_gb": round(huge_bytes / 1e9, 3), "floor_ms_per_step": round(weights / bandwidth * 1e3, 3),
               "steps": args.steps, "depths": results, "rounds": rounds}

@@ -35,6 +35,7 @@ from kiln.compiler.trace import TracedBackbone, trace_backbone
 from kiln.compiler.workers import CompileJob, NamedJobs, compile_jobs, cpu_probe_done, probe_cpu_in_background
 from kiln.config import CompileConfig, dtype_name
 from kiln.kernels import gemms, panel_linear
+from kiln.kernels.kv_cache import row_size
 from kiln.models.llama import CausalLM
 from kiln.models.lm_head import Int8Head
 from kiln.passes import GraphPass, PassManager, gemm_choice
@@ -366,8 +367,8 @@ def ship_triton_kernels(path: Path, model: CausalLM, block_size: int = 16) -> in
     start = time.perf_counter()
     program = bind.load(path, model)
     cfg, device = model.config, next(model.parameters()).device
-    kv_caches = [torch.zeros(2, 4, block_size, model.layout.num_kv_heads, cfg.head_dim, dtype=model.dtype,
-                             device=device) for _ in range(cfg.num_layers)]
+    kv_caches = [torch.zeros(2, 4, block_size, model.layout.num_kv_heads, row_size(cfg.head_dim, model.cache_dtype),
+                             dtype=model.cache_dtype, device=device) for _ in range(cfg.num_layers)]
     with triton_cache.as_fresh_process():  # not under the TRITON_PTXAS_PATH Inductor set here
         triton_cache.forget_launched()
         with triton_cache.Recorder() as recorder, torch.inference_mode():

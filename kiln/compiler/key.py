@@ -75,6 +75,7 @@ def key_factors(
     device: str = "cpu",
     tensor_parallel_size: int = 1,
     lm_head_quantization: str | None = None,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> dict:
     model = {k: v for k, v in dataclasses.asdict(model_config).items() if k not in NOT_IN_GRAPH}
     factors = {
@@ -82,6 +83,7 @@ def key_factors(
         "dtype": dtype_name(dtype),
         "quantization": quantization,
         "lm_head_quantization": lm_head_quantization,  # the head's kernel ships as a library for it
+        "kv_cache_dtype": dtype_name(kv_cache_dtype) if kv_cache_dtype is not None else "auto",  # the write quantizes
         "compile": dataclasses.asdict(compile_config),
         "passes": dict(pass_uuids or {}),
         "tensor_parallel_size": tensor_parallel_size,  # every rank runs the same graph: the rank is no factor
@@ -104,4 +106,5 @@ def model_factors(model: CausalLM, compile_config: CompileConfig, passes: Sequen
     device = next(model.parameters()).device.type  # "cuda", not "cuda:1": the GPU's kind is in system_info
     return key_factors(model.config, model.dtype, compile_config, getattr(model, "quantization", None), uuids,
                        device=device, tensor_parallel_size=model.layout.world_size,
-                       lm_head_quantization=getattr(model, "lm_head_quantization", None))
+                       lm_head_quantization=getattr(model, "lm_head_quantization", None),
+                       kv_cache_dtype=getattr(model, "kv_cache_dtype", None))

@@ -18,6 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from kiln.compiler.counters import counters
 from kiln.compiler.contract import GraphInput
 from kiln.kernels import AttentionMetadata
+from kiln.kernels.kv_cache import row_size
 from kiln.models.llama import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,8 @@ def _example_batch(model: CausalLM):
     """A batch of one prefill on the model's device (its weights' device: Dynamo refuses a mix)."""
     cfg, n, device = model.config, EXAMPLE_TOKENS, model.cos_sin_cache.device
     kv_caches = [
-        torch.zeros(2, 4, 16, model.layout.num_kv_heads, cfg.head_dim, dtype=model.dtype, device=device)
+        torch.zeros(2, 4, 16, model.layout.num_kv_heads, row_size(cfg.head_dim, model.cache_dtype),
+                    dtype=model.cache_dtype, device=device)
         for _ in range(cfg.num_layers)
     ]
     meta = AttentionMetadata(

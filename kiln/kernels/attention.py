@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kiln.kernels.kv_cache import dequantize_rows
+
 
 @dataclass
 class AttentionMetadata:
@@ -29,13 +31,15 @@ class AttentionMetadata:
     block_tables: torch.Tensor
 
 
-def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[seqs, nblocks] block ids -> K and V, each [seqs, kv_heads, nblocks * block_size, head_dim]:
-    views of one copy of both made block by block (what SDPA's CPU kernel reads without another copy:
-    one gather instead of two)."""
+def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[seqs, nblocks] block ids -> K and V, each [seqs, kv_heads, nblocks * block_size, head_dim] in
+    `dtype` (an int8 cache's rows dequantized): views of one copy of both made block by block (what
+    SDPA's CPU kernel reads without another copy: one gather instead of two)."""
     seqs, nblocks = blocks.shape
-    x = kv_cache.index_select(1, blocks.flatten())  # [2, seqs * nblocks, block_size, heads, dim]
-    x = x.view(2, seqs, nblocks * kv_cache.shape[2], *kv_cache.shape[3:]).transpose(2, 3)
+    x = kv_cache.index_select(1, blocks.flatten())  # [2, seqs * nblocks, block_size, heads, row]
+    if kv_cache.dtype == torch.int8:
+        x = dequantize_rows(x, dtype)
+    x = x.view(2, seqs, nblocks * kv_cache.shape[2], *x.shape[3:]).transpose(2, 3)
     return x[0], x[1]
 
 
@@ -189,8 +193,9 @@ def attention_native(
     """CPU path and reference: the decodes run as one SDPA (each KV head's query group as the query
     rows, so no KV head is repeated), the prefills as one SDPA per shape (sequences of equal query and
     context lengths, the usual batched prompts, together). A batch of only decodes in fp32 runs on
-    `decode` where given: the decode attention library (`kiln.kernels.decode_attention`)."""
-    if decode is not None and query.dtype == kv_cache.dtype == torch.float32 \
+    `decode` where given: the decode attention library (`kiln.kernels.decode_attention`). An int8 cache's
+    rows are dequantized as they are read."""
+    if decode is not None and query.dtype == torch.float32 and kv_cache.dtype in (torch.float32, torch.int8) \
             and block_tables.dtype == seq_lens.dtype == torch.int32 and query.is_contiguous() \
             and kv_cache.is_contiguous() and block_tables.is_contiguous() and seq_lens.is_contiguous() \
             and _all_decodes(query_start_loc, query.shape[0]):  # what the kernel reads, as it reads it
@@ -200,7 +205,7 @@ def attention_native(
     hq, d = query.shape[1], query.shape[2]
     hkv = kv_cache.shape[3]
     if plan.decode_rows is not None:
-        k, v = _gather(kv_cache, plan.decode_blocks)  # [B, Hkv, S, D]
+        k, v = _gather(kv_cache, plan.decode_blocks, query.dtype)  # [B, Hkv, S, D]
         q = query if plan.decode_all else query[plan.decode_rows]
         o = F.scaled_dot_product_attention(q.reshape(-1, hkv, hq // hkv, d), k, v, attn_mask=plan.decode_mask,
                                            scale=scale).reshape(-1, hq, d)
@@ -212,7 +217,7 @@ def attention_native(
         out = torch.empty_like(query)
     for group in plan.prefills:
         count, n = len(group.starts), group.n
-        k, v = (x[:, :, : group.ctx] for x in _gather(kv_cache, group.blocks))  # [count, Hkv, ctx, D]
+        k, v = (x[:, :, : group.ctx] for x in _gather(kv_cache, group.blocks, query.dtype))  # [count, Hkv, ctx, D]
         rows = slice(group.starts[0], group.starts[0] + count * n) if group.rows is None else group.rows
         q = query[rows].view(count, n, hq, d).transpose(1, 2)  # [count, Hq, n, D]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, is_causal=group.mask is None,

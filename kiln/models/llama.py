@@ -137,8 +137,16 @@ class CausalLM(nn.Module):
         self.register_buffer("cos_sin_cache", torch.empty(0, dtype=dtype), persistent=False)
         self.lm_head_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
         """What computes hidden @ lm_head_weight().T when set (`kiln.models.lm_head`); else a plain matmul."""
+        self.kv_cache_dtype: torch.dtype | None = None
+        """The KV cache's dtype where it is not the model's: torch.int8 (`kiln.kernels.kv_cache`). A key factor:
+        the compiled cache write quantizes."""
         if layout.world_size > 1:  # a tensor, not a constant: every rank traces the same graph
             self.register_buffer("vocab_start", torch.empty((), dtype=torch.int64), persistent=False)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype its KV caches are allocated in."""
+        return self.kv_cache_dtype or self.dtype
 
     def stacked_sizes(self, merged: str) -> list[int]:
         """Row counts (on this rank) of the slices that make up a merged parameter, in stacking order."""

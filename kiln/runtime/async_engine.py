@@ -126,7 +126,7 @@ class AsyncEngine:
         self.request_timeout = request_timeout
         """Seconds a request may take from its arrival; None: no limit."""
         self.metrics = metrics or Metrics(model_name, engine.config.block_size, engine.scheduler.allocator.num_blocks,
-                                          engine.max_model_len)
+                                          engine.max_model_len, engine.kv_cache_dtype)
         engine.scheduler.on_running = self._scheduled
         self._counted = self._scheduler_counts()
         """The scheduler's counters as last exported (an engine that ran before this one is not counted)."""

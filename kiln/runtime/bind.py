@@ -63,6 +63,16 @@ def load(path: Path, model: nn.Module, release_weights: bool = False,
     return program
 
 
+def _check_kv_cache_dtype(path: Path, manifest: dict, model: nn.Module) -> None:
+    """Refuse an artifact whose compiled cache write stores another dtype than the engine will allocate."""
+    built = manifest["factors"].get("kv_cache_dtype", "auto")
+    wanted = getattr(model, "kv_cache_dtype", None)
+    wanted = "auto" if wanted is None else str(wanted).removeprefix("torch.")
+    if built != wanted:
+        raise KilnError(f"artifact {path.name} was compiled for a KV cache of {built}, and this model asks for "
+                        f"{wanted}: give --kv-cache-dtype {built}, or compile for {wanted}")
+
+
 def _bind(path: Path, manifest: dict, model: nn.Module, release_weights: bool,
           packs: Callable[[list[Slot]], PackFile] | None) -> CompiledProgram:
     """The verified artifact's program, bound to `model`'s weights (packed where it packs them)."""
@@ -79,6 +89,7 @@ def _bind(path: Path, manifest: dict, model: nn.Module, release_weights: bool,
 
     inputs = [GraphInput(e["kind"], e["name"], e.get("of"), e.get("dim")) for e in manifest["inputs"]]
     _check_weights(manifest["inputs"], model)
+    _check_kv_cache_dtype(path, manifest, model)
     decode = manifest.get("libraries", {}).get(decode_attention.LIBRARY)
     decode_kernel = library(decode, decode_attention.LIBRARY_ARGS) if decode is not None else None
     forwards = []

@@ -80,7 +80,7 @@ class Engine:
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{cfg.max_position_embeddings}"
             )
-        dtype, device = model.dtype, model.cos_sin_cache.device
+        dtype, device = getattr(model, "cache_dtype", model.dtype), model.cos_sin_cache.device
         kv_heads = model.layout.num_kv_heads  # this rank's share under tensor parallelism
         kv_memory = config.kv_cache_memory_bytes
         if kv_memory is None:
@@ -123,7 +123,10 @@ class Engine:
         self._ids = itertools.count()
         self.step_tokens = 0
         """The tokens the last step's batch ran (prefill chunks and decodes)."""
-        logger.info("KV cache: %d blocks of %d tokens", num_blocks, config.block_size)
+        self.kv_cache_dtype = "auto" if getattr(model, "kv_cache_dtype", None) is None else str(dtype).removeprefix("torch.")
+        """The KV cache's dtype as `--kv-cache-dtype` names it: "auto" (the model's) or "int8"."""
+        logger.info("KV cache: %d blocks of %d tokens, %s", num_blocks, config.block_size,
+                    str(dtype).removeprefix("torch."))
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise KilnError, naming the problem, for a request the engine cannot run. Reads nothing that

@@ -1,5 +1,6 @@
-"""The paged KV cache: per-layer [2, num_blocks, block_size, kv_heads, head_dim] tensors and the
-allocator that hands out their blocks."""
+"""The paged KV cache: per-layer [2, num_blocks, block_size, kv_heads, row] tensors (a row: head_dim values,
+or in an int8 cache head_dim codes and their scale, `kiln.kernels.kv_cache`) and the allocator that hands out
+their blocks."""
 
 import hashlib
 import math
@@ -11,6 +12,7 @@ from collections import OrderedDict
 import torch
 
 from kiln.errors import KilnError
+from kiln.kernels.kv_cache import row_size
 from kiln.models.config import ModelConfig
 
 
@@ -94,8 +96,10 @@ def block_hashes(token_ids: list[int], block_size: int, start: int = 0, parent: 
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
-    """A block's bytes over all layers; `num_kv_heads`: the heads this rank keeps (default: all)."""
-    return 2 * block_size * (num_kv_heads or cfg.num_kv_heads) * cfg.head_dim * dtype.itemsize * cfg.num_layers
+    """A block's bytes over all layers in a cache of `dtype`; `num_kv_heads`: the heads this rank keeps (default:
+    all)."""
+    row = row_size(cfg.head_dim, dtype) * dtype.itemsize
+    return 2 * block_size * (num_kv_heads or cfg.num_kv_heads) * row * cfg.num_layers
 
 
 def num_kv_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, memory_bytes: int, max_tokens: int,
@@ -113,7 +117,7 @@ def allocate_kv_caches(
     """Each layer's cache: `num_blocks` blocks for the allocator to hand out, and one more at the end
     that it never does, whose last slot padded tokens (slot -1) may write (`kiln.kernels.kv_cache`)."""
     # Zeroed, not empty: attention multiplies masked-out slots by a zero probability, and 0 * NaN is NaN.
-    shape = (2, num_blocks + 1, block_size, num_kv_heads or cfg.num_kv_heads, cfg.head_dim)
+    shape = (2, num_blocks + 1, block_size, num_kv_heads or cfg.num_kv_heads, row_size(cfg.head_dim, dtype))
     if torch.device(device).type == "cpu":
         return [_zeroed_lazily(shape, dtype) for _ in range(cfg.num_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]

@@ -43,7 +43,7 @@ def token_buckets(max_model_len: int | None) -> tuple[int, ...]:
 
 class Metrics:
     def __init__(self, model_name: str = "kiln", block_size: int | None = None, num_blocks: int | None = None,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, cache_dtype: str = "auto") -> None:
         self.registry = r = CollectorRegistry()
         m = ["model_name"]
         self.model_name = model_name
@@ -115,7 +115,8 @@ class Metrics:
             vllm_twin.labels(model_name=model_name)
         if block_size is not None:  # the routers' optional BlockSize, as vLLM reports it
             Gauge("vllm:cache_config_info", "Information of the KV-cache configuration",
-                  ["block_size", "num_gpu_blocks"], registry=r).labels(str(block_size), str(num_blocks)).set(1)
+                  ["block_size", "num_gpu_blocks", "cache_dtype"], registry=r).labels(
+                      str(block_size), str(num_blocks), cache_dtype).set(1)
         # vLLM's LoRA gauge, as it reads with no adapters: kiln serves none, but boards and routers expect it.
         Gauge("vllm:lora_requests_info", "Running stats on LoRA requests",
               ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],

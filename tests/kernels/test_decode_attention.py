@@ -10,6 +10,7 @@ from kiln.compiler import libraries
 from kiln.compiler.aoti import LoadedLibrary
 from kiln.kernels import cpp_lowering, decode_attention
 from kiln.kernels.attention import attention_native
+from kiln.kernels.kv_cache import dequantize_rows, quantize_rows
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +64,37 @@ def test_long_contexts_split_into_spans_match_the_reference(library, seqs, windo
         torch.set_num_threads(before)
     torch.testing.assert_close(out, torch.ops.kiln.decode_attention(query, cache, tables, lens, params),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [
+    (1, 14, 2, 64, 16, 40, 8),
+    (3, 12, 4, 40, 16, 20, 4),  # a tail past the vectors
+    (2, 6, 3, 36, 8, 24, 12),
+])
+@pytest.mark.parametrize("window", [0, 7])
+def test_int8_cache_matches_the_reference_on_its_dequantized_values(library, shape, window):
+    """An int8 cache (codes and a scale per row) gives what the fp32 kernel gives on the values the codes
+    stand for, and what the op's reference gives on the int8 cache itself."""
+    query, cache, tables, lens = _case(*shape)
+    rows = quantize_rows(cache)
+    assert rows.dtype == torch.int8 and rows.shape[-1] == shape[3] + 4
+    params = decode_attention.params(0.125, window)
+    out = library(query, rows, tables, lens, params)[0]
+    on_values = library(query, dequantize_rows(rows, torch.float32), tables, lens, params)[0]
+    torch.testing.assert_close(out, on_values, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, torch.ops.kiln.decode_attention(query, rows, tables, lens, params),
+                               rtol=1e-5, atol=1e-5)
+    assert not torch.equal(out, library(query, cache, tables, lens, params)[0])  # the codes were read, not fp32
+
+
+def test_int8_long_context_on_two_threads(library):
+    query, cache, _, _ = _case(2, 14, 2, 64, 16, 260, 128, seed=5)
+    rows = quantize_rows(cache)
+    lens = torch.tensor([2048, 700], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(260, dtype=torch.int32)[:128] for _ in range(2)])
+    params = decode_attention.params(0.125, 0)
+    torch.testing.assert_close(library(query, rows, tables, lens, params)[0],
+                               torch.ops.kiln.decode_attention(query, rows, tables, lens, params), rtol=1e-5, atol=1e-5)
 
 
 def test_one_token_of_context_is_its_value(library):

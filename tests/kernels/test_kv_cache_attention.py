@@ -36,6 +36,30 @@ def test_scatter_form_writes_the_same_slots_and_padding_only_into_the_scratch_sl
     assert not kv[:, -1, -1].any()  # the op writes nothing for padding
 
 
+def test_int8_cache_rows_hold_codes_and_their_scale():
+    """An int8 cache's row: round(x / scale) for scale = max |x| / 127, then the scale's fp32 bytes; both write
+    forms store the same bytes, and the values read back are within half a step of each row's scale."""
+    from kiln.kernels.kv_cache import dequantize_rows, kv_cache_write_scatter, row_size
+
+    assert row_size(8, torch.int8) == 12 and row_size(8, torch.float32) == 8
+    kv, scattered = (torch.zeros(2, 3, BLOCK, 2, 12, dtype=torch.int8) for _ in range(2))
+    k, v = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+    k[3, 1] = 0  # an all-zero row: scale 0, codes 0
+    slots = torch.tensor([5, 0, -1, 9])
+    ops.kv_cache_write(k, v, kv, slots)
+    kv_cache_write_scatter(k, v, scattered, slots)
+    assert torch.equal(scattered.flatten(1, 2)[:, :-1], kv.flatten(1, 2)[:, :-1])
+    row = kv[0, 1, 1]  # slot 5: token 0's key
+    scale = k[0].abs().amax(-1) / 127
+    assert torch.equal(row[:, 8:].contiguous().view(torch.float32).flatten(), scale)
+    assert torch.equal(row[:, :8], torch.round(k[0] / scale[:, None]).to(torch.int8))
+    back = dequantize_rows(kv.flatten(1, 2)[:, [5, 0, 9]], torch.float32)
+    expected = torch.stack([k[[0, 1, 3]], v[[0, 1, 3]]])
+    assert ((back - expected).abs() <= expected.abs().amax(-1, keepdim=True) / 254 + 1e-7).all()
+    assert not back[0, 2, 1].any()  # the zero row reads back as zeros
+    assert not kv[:, -1, -1].any()  # padding wrote nothing
+
+
 def _reference(q, keys, values, q_pos, scale, window):
     """One query token at position q_pos over a sequence's full K/V [ctx, Hkv, D]; GQA by head group."""
     hq, hkv = q.shape[0], keys.shape[1]
@@ -58,9 +82,12 @@ BATCHES = {
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("window", [0, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention(batch, window, dtype):
+@pytest.mark.parametrize("cache", ["model", "int8"])
+def test_paged_attention(batch, window, dtype, cache):
     """Prefills and decodes in one flat batch over shuffled, non-contiguous blocks, against a per-token
-    reference."""
+    reference; with an int8 cache, against the reference on the values its codes stand for."""
+    from kiln.kernels.kv_cache import dequantize_rows, quantize_rows
+
     torch.manual_seed(0)
     hq, hkv, d = 6, 2, 16
     ctx_lens, q_lens = BATCHES[batch]
@@ -71,7 +98,8 @@ def test_paged_attention(batch, window, dtype):
         tables.append(perm[used : used + n])
         used += n
     width = max(map(len, tables))
-    kv = torch.zeros(2, 16, BLOCK, hkv, d, dtype=dtype)
+    kv = torch.zeros(2, 16, BLOCK, hkv, d, dtype=dtype) if cache == "model" else \
+        torch.zeros(2, 16, BLOCK, hkv, d + 4, dtype=torch.int8)
     full_k = [torch.randn(c, hkv, d, dtype=dtype) for c in ctx_lens]
     full_v = [torch.randn(c, hkv, d, dtype=dtype) for c in ctx_lens]
     # earlier steps wrote the context before this step's tokens
@@ -95,6 +123,8 @@ def test_paged_attention(batch, window, dtype):
     assert torch.equal(attention_call(q, kv, done, *meta, d**-0.5, window), out)  # what compiled programs call
     tok = 0
     for c, n, k, v in zip(ctx_lens, q_lens, full_k, full_v):
+        if cache == "int8":
+            k, v = (dequantize_rows(quantize_rows(x), torch.float32) for x in (k, v))
         for i in range(n):
             ref = _reference(q[tok].float(), k.float(), v.float(), c - n + i, d**-0.5, window)
             tol = 1e-5 if dtype == torch.float32 else 2e-2

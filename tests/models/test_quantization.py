@@ -85,18 +85,25 @@ def test_greedy_tokens_agree_with_full_precision(demo_dirs, greedy_reference, ar
     assert _teacher_forced_agreement(llm, greedy_reference[arch]["tests"]) >= 0.9
 
 
-def test_q8_0_compiled_equals_q8_0_eager(demo_dirs, kiln_cache):
-    """q8_0 (int8 codes with a scale per 32, activations per 32): the artifact runs every projection on kiln's
-    grouped int8 panel GEMM where it runs (AVX2 or AVX-512), else on the weight dequantized in the graph."""
+def test_q8_0_with_an_int8_kv_cache_compiled_equals_eager(demo_dirs, kiln_cache):
+    """q8_0 (int8 codes with a scale per 32, activations per 32) over an int8 KV cache, llama.cpp's
+    `-ctk q8_0 -ctv q8_0` beside Q8_0 weights: the artifact runs every projection on kiln's grouped int8 panel
+    GEMM where it runs (AVX2 or AVX-512), else on the weight dequantized in the graph, quantizes K and V in its
+    compiled cache write, and decodes on the decode attention library's int8 path; it refuses to run over a
+    cache of another dtype."""
     from kiln.kernels import gemms
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
-    eager = LLM(demo_dirs["llama"], quantization="q8_0").generate(PROMPTS, params)
-    llm = LLM(demo_dirs["llama"], quantization="q8_0", compile=True, cache_dir=kiln_cache)
+    eager = LLM(demo_dirs["llama"], quantization="q8_0", kv_cache_dtype="int8").generate(PROMPTS, params)
+    llm = LLM(demo_dirs["llama"], quantization="q8_0", compile=True, cache_dir=kiln_cache, kv_cache_dtype="int8")
+    assert llm.engine.runner.kv_caches[0].dtype == torch.int8
     assert llm.artifact_path != LLM(demo_dirs["llama"], compile=True, cache_dir=kiln_cache).artifact_path
+    with pytest.raises(KilnError, match="compiled for a KV cache of int8.*--kv-cache-dtype int8"):
+        LLM(demo_dirs["llama"], quantization="q8_0", artifact=llm.artifact_path, cache_dir=kiln_cache)
     probe = gemms.Projection("int8_grouped", (64, 64), torch.int8, False, groups=2)
     want = "aten" if gemms.PANELS8_INT8_GROUP.unavailable(probe) else "panels8_int8_grouped"
     manifest = artifact.read_manifest(llm.artifact_path)
+    assert manifest["factors"]["kv_cache_dtype"] == "int8" and "decode_attention" in manifest["libraries"]
     choices = [c for v in manifest["variants"] for c in v["gemm_choices"]]
     assert choices and {c["kind"] for c in choices} == {"int8_grouped"} and {c["kernel"] for c in choices} == {want}
     if want != "aten":  # the codes in the blocked kernel's panels, their scales in the int4 kernel's group order

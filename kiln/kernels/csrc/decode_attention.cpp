@@ -1,6 +1,8 @@
 // kiln::decode_attention's kernel: paged attention for a batch of decodes (one query token per sequence),
-// K and V read where they sit in the cache. Spliced into the wrapper of the library AOTInductor builds from a
-// graph of the one op, which an artifact ships.
+// K and V read where they sit in the cache, fp32 or int8 (a row's codes, then its fp32 scale: kv_cache.py).
+// Spliced into the wrapper of the library AOTInductor builds from a graph of the one op, which an artifact
+// ships.
+#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -26,6 +28,44 @@ static inline kiln_vf kiln_load(const float* p) {
 }
 
 static inline void kiln_store(float* p, kiln_vf x) { __builtin_memcpy(p, &x, sizeof x); }
+
+// An int8 cache's codes, a vector's worth, as floats: sign-extended and converted, two instructions (GCC's
+// __builtin_convertvector of int8 lanes goes through scalar registers, 7x slower)
+static inline kiln_vf kiln_load(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (kiln_vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#elif defined(__AVX2__)
+  return (kiln_vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+#else
+  kiln_vf x;
+  for (int i = 0; i < KILN_LANES; ++i) x[i] = p[i];
+  return x;
+#endif
+}
+
+// One KV head's rows [0, rows) of a block (`at` its first, rows `stride` elements apart) as floats, and their
+// distance: fp32 rows where they are; int8 rows (D codes, then their fp32 scale) dequantized into `tmp`
+// [rows, D] once, for the G query heads that read them (each converting for itself took three times as long)
+static inline const float* kiln_rows(const float* at, int64_t stride, int64_t rows, int64_t D, float* tmp,
+                                     int64_t* step) {
+  *step = stride;
+  return at;
+}
+static inline const float* kiln_rows(const int8_t* at, int64_t stride, int64_t rows, int64_t D, float* tmp,
+                                     int64_t* step) {
+  const int64_t vectors = D / KILN_LANES * KILN_LANES;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int8_t* codes = at + r * stride;
+    float scale;
+    __builtin_memcpy(&scale, codes + D, sizeof scale);
+    float* row = tmp + r * D;
+    int64_t c = 0;
+    for (; c < vectors; c += KILN_LANES) kiln_store(row + c, kiln_load(codes + c) * scale);
+    for (; c < D; ++c) row[c] = codes[c] * scale;
+  }
+  *step = D;
+  return tmp;
+}
 
 // A vector's lanes folded to 8 (AVX-512's halves added), which the lane sums start from
 typedef float kiln_v8 __attribute__((vector_size(32)));
@@ -121,24 +161,26 @@ static void kiln_weighted_sum(const float* w, const float* v, int64_t stride, in
 // cache lines at each of `steps` steps of that work (asked for at once, they overflow the core's
 // outstanding misses and the requests wait in line)
 struct kiln_ahead {
-  const float* next;
+  const char* next;
   int64_t lines, per, done;
-  kiln_ahead(const float* block, int64_t floats, int64_t steps)
-      : next(block), lines(block ? (floats + 15) / 16 : 0), per((lines + steps - 1) / steps), done(0) {}
+  kiln_ahead(const void* block, int64_t bytes, int64_t steps)
+      : next((const char*)block), lines(block ? (bytes + 63) / 64 : 0), per((lines + steps - 1) / steps), done(0) {}
   inline void step() {
-    for (int64_t u = 0; u < per && done < lines; ++u, ++done) __builtin_prefetch(next + done * 16);
+    for (int64_t u = 0; u < per && done < lines; ++u, ++done) __builtin_prefetch(next + done * 64);
   }
 };
 
 // Context rows [lo, hi) of one sequence (block table `table`), every KV head's G query heads q [HKV * G, D]
 // together, so each block of K and V is read whole by one thread (one thread per KV head, each reading its
-// head's half of every row, read the cache at a third of the machine's bandwidth): m[i] = query head i's highest scaled score, l[i] = the sum of
-// exp(score - m[i]), acc [HKV * G, D] = the sum of exp(score - m[i]) v, with `scores` room for
-// HKV * G * (hi - lo) floats. K and V are [N, BS, HKV, D] each.
-static void kiln_span(const float* q, const float* keys, const float* values, const int32_t* table, int64_t lo,
-                      int64_t hi, int64_t BS, int64_t HKV, int64_t D, int64_t G, float scale, float* scores,
+// head's half of every row, read the cache at a third of the machine's bandwidth): m[i] = query head i's highest
+// scaled score, l[i] = the sum of exp(score - m[i]), acc [HKV * G, D] = the sum of exp(score - m[i]) v, with
+// `scores` room for HKV * G * (hi - lo) floats and `tmp` for BS * D. K and V are [N, BS, HKV, R] each, a row R
+// elements: D floats, or D int8 codes and their scale's four bytes.
+template <typename T>
+static void kiln_span(const float* q, const T* keys, const T* values, const int32_t* table, int64_t lo, int64_t hi,
+                      int64_t BS, int64_t HKV, int64_t D, int64_t R, int64_t G, float scale, float* scores, float* tmp,
                       float* m, float* l, float* acc) {
-  const int64_t n = hi - lo, stride = HKV * D, HQ = HKV * G, block = BS * stride;
+  const int64_t n = hi - lo, stride = HKV * R, HQ = HKV * G, block = BS * stride;
   for (int64_t i = 0; i < HQ * D; ++i) acc[i] = 0.f;
   if (n <= 0) {
     for (int64_t i = 0; i < HQ; ++i) m[i] = -INFINITY, l[i] = 0.f;
@@ -147,22 +189,26 @@ static void kiln_span(const float* q, const float* keys, const float* values, co
   const int64_t first = lo / BS, last = (hi - 1) / BS, vectors = D / KILN_LANES * KILN_LANES;
   for (int64_t j = first; j <= last; ++j) {  // scores, each query head's over a block's rows eight at a time
     const int64_t r0 = j == first ? lo - j * BS : 0, rows = (j == last ? hi - j * BS : BS) - r0;
-    kiln_ahead ahead(j < last ? keys + table[j + 1] * block : nullptr, block, HQ * ((rows + 7) / 8));
-    for (int64_t i = 0; i < HQ; ++i) {
-      const float *qi = q + i * D, *k = keys + table[j] * block + r0 * stride + i / G * D;
-      float* s = scores + i * n + j * BS + r0 - lo;
-      for (int64_t r = 0; r < rows; r += 8) {  // past the last row, the last row again, its scores not kept
-        ahead.step();
-        const float* kr[8];
-        for (int u = 0; u < 8; ++u) kr[u] = k + (r + u < rows ? r + u : rows - 1) * stride;
-        kiln_v8 dots = kiln_dot_rows8(qi, kr, vectors);
-        for (int64_t c = vectors; c < D; ++c)
-          for (int u = 0; u < 8; ++u) dots[u] += qi[c] * kr[u][c];
-        dots *= scale;
-        if (r + 8 <= rows)
-          __builtin_memcpy(s + r, &dots, sizeof dots);
-        else
-          for (int64_t u = 0; r + u < rows; ++u) s[r + u] = dots[u];
+    kiln_ahead ahead(j < last ? keys + table[j + 1] * block : nullptr, block * sizeof(T), HQ * ((rows + 7) / 8));
+    for (int64_t h = 0; h < HKV; ++h) {
+      int64_t step;
+      const float* k = kiln_rows(keys + table[j] * block + r0 * stride + h * R, stride, rows, D, tmp, &step);
+      for (int64_t i = h * G; i < (h + 1) * G; ++i) {
+        const float* qi = q + i * D;
+        float* s = scores + i * n + j * BS + r0 - lo;
+        for (int64_t r = 0; r < rows; r += 8) {  // past the last row, the last row again, its scores not kept
+          ahead.step();
+          const float* kr[8];
+          for (int u = 0; u < 8; ++u) kr[u] = k + (r + u < rows ? r + u : rows - 1) * step;
+          kiln_v8 dots = kiln_dot_rows8(qi, kr, vectors);
+          for (int64_t c = vectors; c < D; ++c)
+            for (int u = 0; u < 8; ++u) dots[u] += qi[c] * kr[u][c];
+          dots *= scale;
+          if (r + 8 <= rows)
+            __builtin_memcpy(s + r, &dots, sizeof dots);
+          else
+            for (int64_t u = 0; r + u < rows; ++u) s[r + u] = dots[u];
+        }
       }
     }
   }
@@ -189,10 +235,13 @@ static void kiln_span(const float* q, const float* keys, const float* values, co
   }
   for (int64_t j = first; j <= last; ++j) {  // the weighted values, each query head's over a block's rows
     const int64_t r0 = j == first ? lo - j * BS : 0, rows = (j == last ? hi - j * BS : BS) - r0;
-    kiln_ahead ahead(j < last ? values + table[j + 1] * block : nullptr, block, HQ);
-    for (int64_t i = 0; i < HQ; ++i, ahead.step())
-      kiln_weighted_sum(scores + i * n + j * BS + r0 - lo, values + table[j] * block + r0 * stride + i / G * D, stride,
-                        rows, D, acc + i * D);
+    kiln_ahead ahead(j < last ? values + table[j + 1] * block : nullptr, block * sizeof(T), HQ);
+    for (int64_t h = 0; h < HKV; ++h) {
+      int64_t step;
+      const float* v = kiln_rows(values + table[j] * block + r0 * stride + h * R, stride, rows, D, tmp, &step);
+      for (int64_t i = h * G; i < (h + 1) * G; ++i, ahead.step())
+        kiln_weighted_sum(scores + i * n + j * BS + r0 - lo, v, step, rows, D, acc + i * D);
+    }
   }
 }
 
@@ -209,14 +258,16 @@ static inline int64_t kiln_context(const int32_t* lens, int64_t b, int64_t W, in
 #define KILN_MIN_SPAN 128
 
 // out [B, HQ, D] = softmax(scale q k^T) v per sequence b over its context (the last `window` tokens of
-// it if window > 0), K and V read from the paged cache [2, N, BS, HKV, D] through tables [B, W].
-// Each sequence's context is split into spans, enough of them to keep every thread busy (batch 1 too),
-// each span worked on apart for all heads, then the spans merged by their maxima and sums (flash-decoding).
-extern "C" void kiln_decode_attention(const float* q, const float* cache, const int32_t* tables,
-                                      const int32_t* lens, const float* params, float* out, int64_t B,
-                                      int64_t HQ, int64_t D, int64_t N, int64_t BS, int64_t HKV, int64_t W) {
+// it if window > 0), K and V read from the paged cache [2, N, BS, HKV, R] through tables [B, W] (R = D for
+// fp32 rows, D + 4 for int8 rows). Each sequence's context is split into spans, enough of them to keep every
+// thread busy (batch 1 too), each span worked on apart for all heads, then the spans merged by their maxima
+// and sums (flash-decoding).
+template <typename T>
+static void kiln_decode(const float* q, const T* cache, const int32_t* tables, const int32_t* lens,
+                        const float* params, float* out, int64_t B, int64_t HQ, int64_t D, int64_t N, int64_t BS,
+                        int64_t HKV, int64_t R, int64_t W) {
   const float scale = params[0];
-  const int64_t window = (int64_t)params[1], G = HQ / HKV, half = N * BS * HKV * D;
+  const int64_t window = (int64_t)params[1], G = HQ / HKV, half = N * BS * HKV * R;
   int64_t longest = 0;
   for (int64_t b = 0, start; b < B; ++b) {
     const int64_t n = kiln_context(lens, b, W, BS, window, &start) - start;
@@ -230,6 +281,7 @@ extern "C" void kiln_decode_attention(const float* q, const float* cache, const 
   #pragma omp parallel
   {
     float* scores = nullptr;
+    float* tmp = (float*)malloc(sizeof(float) * BS * D);  // a block's rows of one KV head, dequantized
     int64_t capacity = 0;
     #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t b = 0; b < B; ++b)
@@ -243,10 +295,11 @@ extern "C" void kiln_decode_attention(const float* q, const float* cache, const 
           scores = (float*)malloc(sizeof(float) * capacity);
         }
         float* rec = spans + (b * S + s) * record;
-        kiln_span(q + b * HQ * D, cache, cache + half, tables + b * W, lo, hi, BS, HKV, D, G, scale, scores,
+        kiln_span(q + b * HQ * D, cache, cache + half, tables + b * W, lo, hi, BS, HKV, D, R, G, scale, scores, tmp,
                   rec + HQ * D, rec + HQ * D + HQ, rec);
       }
     free(scores);
+    free(tmp);
     #pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; ++b)
       for (int64_t i = 0; i < HQ; ++i) {
@@ -266,5 +319,18 @@ extern "C" void kiln_decode_attention(const float* q, const float* cache, const 
       }
   }
   free(spans);
+}
+
+extern "C" void kiln_decode_attention(const float* q, const float* cache, const int32_t* tables, const int32_t* lens,
+                                      const float* params, float* out, int64_t B, int64_t HQ, int64_t D, int64_t N,
+                                      int64_t BS, int64_t HKV, int64_t W) {
+  kiln_decode(q, cache, tables, lens, params, out, B, HQ, D, N, BS, HKV, D, W);
+}
+
+// The same over an int8 cache [2, N, BS, HKV, D + 4]
+extern "C" void kiln_decode_attention_int8(const float* q, const int8_t* cache, const int32_t* tables,
+                                           const int32_t* lens, const float* params, float* out, int64_t B,
+                                           int64_t HQ, int64_t D, int64_t N, int64_t BS, int64_t HKV, int64_t W) {
+  kiln_decode(q, cache, tables, lens, params, out, B, HQ, D, N, BS, HKV, D + 4, W);
 }
 #pragma GCC pop_options
