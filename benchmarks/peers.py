@@ -3,7 +3,7 @@
     python benchmarks/peers.py [--vllm-python VENV/bin/python] [--llama-cpp DIR] [--threads 2] [--out peers.json]
                                [--chart peers.png] [--work DIR] [--systems hf,kiln-eager,...] [--rounds 3]
                                [--shape qwen2.5-0.5b|llama3-8b] [--gguf FILE] [--depth D,D,...]
-                               [--kv-cache-dtype auto|int8]
+                               [--kv-cache-dtype auto,int8]
 
 The model is Qwen2.5-0.5B's shape with random fp32 weights, built here (tied embeddings really tied,
 as in the real checkpoint). The workload is the same for every system: 16 prompts of 32 token ids,
@@ -44,8 +44,9 @@ Each depth of 512 or more also times its prompt's prefill (`prefill_s_of_D`): ki
 first token, in the engine's chunks of `max_num_batched_tokens` (2048) after a warm-up, a prompt that shares
 no cached prefix; llama.cpp's `llama-bench -p D -n 0` (its batches of 2048).
 
-`--kv-cache-dtype int8` gives kiln's systems an int8 KV cache and llama.cpp's `-ctk q8_0 -ctv q8_0`; by
-default kiln's cache holds the model's dtype and llama.cpp's f16 (its default).
+`--kv-cache-dtype auto,int8` runs each of kiln's and llama.cpp's systems with each cache: auto, kiln's
+model dtype and llama.cpp's f16 (its default); int8, kiln's int8 cache and llama.cpp's `-ctk q8_0 -ctv q8_0`,
+named with `+kv8` (`kiln-int8+kv8`). Both in one run, their ratios are paired within rounds like the rest.
 """
 
 import argparse
@@ -262,6 +263,17 @@ def summary(rounds: list[dict]) -> dict:
                    if key != "tokens"} for name in rounds[0]}
 
 
+KV8 = "+kv8"
+"""The suffix of a system run with an 8-bit KV cache (`--kv-cache-dtype int8`)."""
+
+
+def kv_runs(systems: list[str], kv_cache_dtypes: list[str]) -> dict[str, tuple[str, str]]:
+    """Each run's name -> (system, KV cache dtype): every system with every cache, int8's named with `KV8`;
+    hf and vLLM only with their own (auto)."""
+    return {system + (KV8 if kv == "int8" else ""): (system, kv) for system in systems for kv in kv_cache_dtypes
+            if kv == "auto" or system not in ("hf", "vllm")}
+
+
 def _ratio(rounds: list[dict], name: str, ref: str, key: str) -> float | None:
     """The median over the rounds of name's figure over ref's; None where either has none (llama.cpp's start)."""
     if key not in rounds[0][name] or key not in rounds[0][ref]:
@@ -279,8 +291,8 @@ def ratios(rounds: list[dict], figures: dict[str, str] = FIGURES) -> dict:
     """Each system's figures over each reference's, taken within each round, then the median over the
     rounds: < 1 is better for times, > 1 for tokens/s."""
     out = {}
-    for ref in ("vllm", "hf", "kiln-eager", *llama_cpp.QUANTS, "llama.cpp-gguf"):
-        if ref not in rounds[0]:
+    for ref in rounds[0]:
+        if ref.removesuffix(KV8) not in ("vllm", "hf", "kiln-eager", *llama_cpp.QUANTS, "llama.cpp-gguf"):
             continue
         out[f"vs_{ref}"] = {name: {label: _ratio(rounds, name, ref, key) for label, key in figures.items()}
                             for name in rounds[0] if name != ref}
@@ -334,10 +346,13 @@ def main() -> None:
     parser.add_argument("--depth", type=depths, metavar="D,D,...", default=[],
                         help=f"time batch-1 decode of {DEPTH_STEPS} tokens after D tokens of context instead, "
                         "at each depth (kiln's and llama.cpp's systems only)")
-    parser.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto", help="int8: kiln's systems "
-                        "with an int8 KV cache, llama.cpp's with -ctk q8_0 -ctv q8_0 (default auto: kiln's model "
-                        "dtype, llama.cpp's f16; hf and vLLM keep theirs)")
+    parser.add_argument("--kv-cache-dtype", default="auto", metavar="auto,int8", help="the KV caches each of kiln's "
+                        "and llama.cpp's systems runs with: auto (kiln's model dtype, llama.cpp's f16), int8 (kiln's "
+                        "int8 cache, llama.cpp's -ctk q8_0 -ctv q8_0; named +kv8), or both (default auto)")
     args = parser.parse_args()
+    kv_dtypes = [k for k in args.kv_cache_dtype.split(",") if k]
+    if not kv_dtypes or set(kv_dtypes) - {"auto", "int8"} or len(set(kv_dtypes)) != len(kv_dtypes):
+        parser.error(f"--kv-cache-dtype takes auto, int8 or auto,int8, not {args.kv_cache_dtype!r}")
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.gguf and args.systems == ",".join(SYSTEMS):
@@ -375,8 +390,9 @@ def main() -> None:
         if big:  # the packed weights of an 8B model would take the disk the GGUFs need
             os.environ["KILN_PACK_CACHE"] = "off"
         cache = work / "cache"
-        compiled = {s: compile_artifact(s, model_dir, cache, args.threads, args.kv_cache_dtype)
-                    for s in systems if s in COMPILED}
+        runs = kv_runs(systems, kv_dtypes)
+        compiled = {name: compile_artifact(s, model_dir, cache, args.threads, kv)
+                    for name, (s, kv) in runs.items() if s in COMPILED}
         if "vllm" in systems:  # a first start fills vLLM's compile cache: the table's "warm cache"
             run_child("vllm", model_dir, args.threads, cache, args.vllm_python)
         quants = [s for s in systems if s in llama_cpp.QUANTS]
@@ -387,24 +403,24 @@ def main() -> None:
         rounds = []
         for i in range(args.rounds):
             measured = {}
-            for system in rotated(systems, i):
+            for name in rotated(list(runs), i):
+                system, kv = runs[name]
                 python = args.vllm_python if system == "vllm" else sys.executable
                 if system in ggufs and args.depth:
-                    measured[system] = llama_cpp.measure_depths(args.llama_cpp, ggufs[system], args.threads,
-                                                                args.depth, DEPTH_STEPS, args.kv_cache_dtype)
+                    measured[name] = llama_cpp.measure_depths(args.llama_cpp, ggufs[system], args.threads,
+                                                              args.depth, DEPTH_STEPS, kv)
                     long = [d for d in args.depth if d >= PREFILL_TIMED]
                     if long:
-                        measured[system] |= llama_cpp.measure_prefills(args.llama_cpp, ggufs[system], args.threads,
-                                                                       long, args.kv_cache_dtype)
+                        measured[name] |= llama_cpp.measure_prefills(args.llama_cpp, ggufs[system], args.threads,
+                                                                     long, kv)
                 elif system in ggufs:
-                    measured[system] = llama_cpp.measure(args.llama_cpp, ggufs[system], args.threads, PROMPTS,
-                                                         PROMPT_LEN, NEW_TOKENS, args.kv_cache_dtype)
+                    measured[name] = llama_cpp.measure(args.llama_cpp, ggufs[system], args.threads, PROMPTS,
+                                                       PROMPT_LEN, NEW_TOKENS, kv)
                 else:
-                    measured[system] = run_child(system, model_dir, args.threads, cache, python, args.depth,
-                                                 args.kv_cache_dtype)
-                print(f"round {i + 1}", system, {k: v for k, v in measured[system].items() if k != "tokens"},
+                    measured[name] = run_child(system, model_dir, args.threads, cache, python, args.depth, kv)
+                print(f"round {i + 1}", name, {k: v for k, v in measured[name].items() if k != "tokens"},
                       file=sys.stderr, flush=True)
-            rounds.append({s: measured[s] for s in systems})
+            rounds.append({name: measured[name] for name in runs})
     results = summary(rounds)
     for system, seconds in compiled.items():
         results[system]["compile_s"] = seconds
@@ -416,7 +432,7 @@ def main() -> None:
     report = {"machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": args.threads,
                           "cpu_flags": _cpu_flags()},
               "workload": {"shape": str(args.gguf) if args.gguf else args.shape, "rounds": args.rounds,
-                           "kv_cache_dtype": args.kv_cache_dtype,
+                           "kv_cache_dtypes": kv_dtypes,
                            **({"depths": args.depth, "new_tokens": DEPTH_STEPS, "batch": 1} if args.depth else
                               {"prompts": PROMPTS, "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS})},
               "results": results, "ratios": ratios(rounds, depth_figures(args.depth) if args.depth else FIGURES),

@@ -171,6 +171,17 @@ def test_llm_refuses_a_max_model_len_it_cannot_honour(demo_dirs, value, message)
         LLM(demo_dirs["llama"], max_model_len=value)
 
 
+def test_a_kv_cache_dtype_is_honoured_or_refused_by_name(demo_dirs):
+    from kiln.config import parse_kv_cache_dtype
+
+    with pytest.raises(KilnError, match="unknown KV cache dtype 'fp8'; choose from auto, int8"):
+        LLM(demo_dirs["llama"], kv_cache_dtype="fp8")
+    with pytest.raises(KilnError, match="--kv-cache-dtype int8 runs on CPU only"):
+        parse_kv_cache_dtype("int8", torch.device("cuda"))
+    assert parse_kv_cache_dtype("auto", torch.device("cuda")) is None
+    assert parse_kv_cache_dtype("int8", torch.device("cpu")) == torch.int8
+
+
 def test_one_bad_prompt_queues_nothing_and_the_next_call_is_whole(demo_dirs):
     """A batch with a prompt the engine refuses raises before any of it is queued, and leaves the
     engine as it was: the next call answers exactly what a fresh engine does."""

@@ -84,4 +84,10 @@ def test_depth_figures_from_llama_bench_and_their_ratios():
         "batch1_ms_per_token_at_32": None, "batch1_ms_per_token_at_2048": 0.75, "batch1_ms_per_token_at_8192": 0.8,
         "prefill_s_of_2048": 0.5, "prefill_s_of_8192": 0.5}
     assert llama_cpp_peer.kv_cache_flags("int8") == ["-ctk", "q8_0", "-ctv", "q8_0"]
+    assert peers.kv_runs(["hf", "kiln-int8", "llama.cpp-q8_0"], ["auto", "int8"]) == {
+        "hf": ("hf", "auto"), "kiln-int8": ("kiln-int8", "auto"), "kiln-int8+kv8": ("kiln-int8", "int8"),
+        "llama.cpp-q8_0": ("llama.cpp-q8_0", "auto"), "llama.cpp-q8_0+kv8": ("llama.cpp-q8_0", "int8")}
+    kv8 = {"kiln-int8+kv8": {"prefill_s_of_2048": 3.0}, "llama.cpp-q8_0+kv8": {"prefill_s_of_2048": 6.0}}
+    assert peers.ratios([kv8], {"prefill": "prefill_s_of_2048"}) == {  # a +kv8 peer is a reference too
+        "vs_llama.cpp-q8_0+kv8": {"kiln-int8+kv8": {"prefill": 0.5}}}
     assert llama_cpp_peer.kv_cache_flags("auto") == []

@@ -18,20 +18,23 @@
 #else
 #define KILN_LANES 8
 #endif
+// The helpers are inlined by force: the wrapper is built at -O1, where GCC called even a vector store as a
+// function in the loops here (the O3 pragma notwithstanding), which made the int8 kernel slower than the fp32 one
+#define KILN_INLINE __attribute__((always_inline)) static inline
 typedef float kiln_vf __attribute__((vector_size(4 * KILN_LANES)));
 typedef int32_t kiln_vi __attribute__((vector_size(4 * KILN_LANES)));
 
-static inline kiln_vf kiln_load(const float* p) {
+KILN_INLINE kiln_vf kiln_load(const float* p) {
   kiln_vf x;
   __builtin_memcpy(&x, p, sizeof x);
   return x;
 }
 
-static inline void kiln_store(float* p, kiln_vf x) { __builtin_memcpy(p, &x, sizeof x); }
+KILN_INLINE void kiln_store(float* p, kiln_vf x) { __builtin_memcpy(p, &x, sizeof x); }
 
 // An int8 cache's codes, a vector's worth, as floats: sign-extended and converted, two instructions (GCC's
 // __builtin_convertvector of int8 lanes goes through scalar registers, 7x slower)
-static inline kiln_vf kiln_load(const int8_t* p) {
+KILN_INLINE kiln_vf kiln_load(const int8_t* p) {
 #if defined(__AVX512F__)
   return (kiln_vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 #elif defined(__AVX2__)
@@ -46,12 +49,12 @@ static inline kiln_vf kiln_load(const int8_t* p) {
 // One KV head's rows [0, rows) of a block (`at` its first, rows `stride` elements apart) as floats, and their
 // distance: fp32 rows where they are; int8 rows (D codes, then their fp32 scale) dequantized into `tmp`
 // [rows, D] once, for the G query heads that read them (each converting for itself took three times as long)
-static inline const float* kiln_rows(const float* at, int64_t stride, int64_t rows, int64_t D, float* tmp,
+KILN_INLINE const float* kiln_rows(const float* at, int64_t stride, int64_t rows, int64_t D, float* tmp,
                                      int64_t* step) {
   *step = stride;
   return at;
 }
-static inline const float* kiln_rows(const int8_t* at, int64_t stride, int64_t rows, int64_t D, float* tmp,
+KILN_INLINE const float* kiln_rows(const int8_t* at, int64_t stride, int64_t rows, int64_t D, float* tmp,
                                      int64_t* step) {
   const int64_t vectors = D / KILN_LANES * KILN_LANES;
   for (int64_t r = 0; r < rows; ++r) {
@@ -69,7 +72,7 @@ static inline const float* kiln_rows(const int8_t* at, int64_t stride, int64_t r
 
 // A vector's lanes folded to 8 (AVX-512's halves added), which the lane sums start from
 typedef float kiln_v8 __attribute__((vector_size(32)));
-static inline kiln_v8 kiln_half(kiln_vf x) {
+KILN_INLINE kiln_v8 kiln_half(kiln_vf x) {
 #if KILN_LANES == 16
   return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
 #else
@@ -77,14 +80,14 @@ static inline kiln_v8 kiln_half(kiln_vf x) {
 #endif
 }
 
-static inline float kiln_sum(kiln_vf x) {
+KILN_INLINE float kiln_sum(kiln_vf x) {
   const kiln_v8 h = kiln_half(x);
   return ((h[0] + h[4]) + (h[1] + h[5])) + ((h[2] + h[6]) + (h[3] + h[7]));
 }
 
 // exp(x) for x <= 0, to about an ulp: 2^k exp(r) with k = round(x / ln 2), |r| <= ln 2 / 2, exp(r) by
 // its Taylor series to r^6; x below -87 gives exp(-87) (~1e-38), not 0
-static inline kiln_vf kiln_exp(kiln_vf x) {
+KILN_INLINE kiln_vf kiln_exp(kiln_vf x) {
   const kiln_vf lowest = kiln_vf{} - 87.f;
   x = x < lowest ? lowest : x;
   const kiln_vf shifted = x * 1.44269504f + 12582912.f;  // k in the low mantissa bits
@@ -102,10 +105,10 @@ static inline kiln_vf kiln_exp(kiln_vf x) {
 
 // The sums of eight vectors' lanes, as [sum a, ..., sum h]: pairwise sums in three levels, each a shuffle
 // of two vectors (within 128-bit lanes, or of whole halves: one instruction each) and an addition
-static inline kiln_v8 kiln_pairs(kiln_v8 x, kiln_v8 y) {  // lanes 0, 1, 4, 5: x's pair sums; 2, 3, 6, 7: y's
+KILN_INLINE kiln_v8 kiln_pairs(kiln_v8 x, kiln_v8 y) {  // lanes 0, 1, 4, 5: x's pair sums; 2, 3, 6, 7: y's
   return __builtin_shufflevector(x, y, 0, 2, 8, 10, 4, 6, 12, 14) + __builtin_shufflevector(x, y, 1, 3, 9, 11, 5, 7, 13, 15);
 }
-static inline kiln_v8 kiln_sum8(const kiln_vf* v) {
+KILN_INLINE kiln_v8 kiln_sum8(const kiln_vf* v) {
   const kiln_v8 abcd = kiln_pairs(kiln_pairs(kiln_half(v[0]), kiln_half(v[1])), kiln_pairs(kiln_half(v[2]), kiln_half(v[3])));
   const kiln_v8 efgh = kiln_pairs(kiln_pairs(kiln_half(v[4]), kiln_half(v[5])), kiln_pairs(kiln_half(v[6]), kiln_half(v[7])));
   // each 128-bit half of abcd holds a, b, c, d's half sums, of efgh e, f, g, h's
@@ -116,7 +119,7 @@ static inline kiln_v8 kiln_sum8(const kiln_vf* v) {
 // q . k[r] for eight rows k[r] = k + r * stride of n floats (n a multiple of the vector width): q's vector is
 // loaded once for all eight, and eight independent chains keep both adders busy where fewer would wait on
 // each addition's latency
-static inline kiln_v8 kiln_dot_rows8(const float* q, const float* const* k, int64_t n) {
+KILN_INLINE kiln_v8 kiln_dot_rows8(const float* q, const float* const* k, int64_t n) {
   kiln_vf acc[8] = {};
   for (int64_t i = 0; i < n; i += KILN_LANES) {
     const kiln_vf x = kiln_load(q + i);
@@ -128,7 +131,7 @@ static inline kiln_v8 kiln_dot_rows8(const float* q, const float* const* k, int6
 // acc[0, NV vectors) += sum over rows r of w[r] v[r * stride + ...]: the accumulators stay in registers over
 // all the rows (NV <= 8 leaves registers for a row's load and its weight)
 template <int NV>
-static inline void kiln_weighted_rows(const float* w, const float* v, int64_t stride, int64_t rows, float* acc) {
+KILN_INLINE void kiln_weighted_rows(const float* w, const float* v, int64_t stride, int64_t rows, float* acc) {
   kiln_vf a[NV];
   for (int i = 0; i < NV; ++i) a[i] = kiln_load(acc + i * KILN_LANES);
   for (int64_t r = 0; r < rows; ++r) {
@@ -165,7 +168,7 @@ struct kiln_ahead {
   int64_t lines, per, done;
   kiln_ahead(const void* block, int64_t bytes, int64_t steps)
       : next((const char*)block), lines(block ? (bytes + 63) / 64 : 0), per((lines + steps - 1) / steps), done(0) {}
-  inline void step() {
+  __attribute__((always_inline)) inline void step() {
     for (int64_t u = 0; u < per && done < lines; ++u, ++done) __builtin_prefetch(next + done * 64);
   }
 };
@@ -247,7 +250,7 @@ static void kiln_span(const float* q, const T* keys, const T* values, const int3
 
 // The rows [start, end) of sequence b's context the query attends: its length, clamped to its block table,
 // and only the last `window` of them where window > 0
-static inline int64_t kiln_context(const int32_t* lens, int64_t b, int64_t W, int64_t BS, int64_t window,
+KILN_INLINE int64_t kiln_context(const int32_t* lens, int64_t b, int64_t W, int64_t BS, int64_t window,
                                    int64_t* start) {
   const int64_t end = lens[b] < W * BS ? lens[b] : W * BS;
   *start = window > 0 && end > window ? end - window : 0;
