@@ -125,7 +125,7 @@ def test_metrics_under_vllm_names_too(served, client):
     text = httpx.get(base + "/metrics").text
     for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert re.search(rf"^{re.escape(gauge)}{{{label}}} \S+$", text, re.M), gauge
-    assert re.search(r'^vllm:cache_config_info{block_size="\d+",num_gpu_blocks="\d+",cache_dtype="auto"} 1.0$', text, re.M)
+    assert re.search(r'^vllm:cache_config_info{block_size="\d+",cache_dtype="auto",num_gpu_blocks="\d+"} 1.0$', text, re.M)
 
 
 def test_64_concurrent_streams_equal_one_at_a_time(served, client):
