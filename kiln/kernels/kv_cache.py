@@ -22,11 +22,6 @@ def row_size(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim + SCALE_BYTES if dtype == torch.int8 else head_dim
 
 
-def head_dim_of(kv_cache: torch.Tensor) -> int:
-    """The head size a cache holds (its rows less an int8 row's scale)."""
-    return kv_cache.shape[-1] - (SCALE_BYTES if kv_cache.dtype == torch.int8 else 0)
-
-
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     """[..., D] -> [..., D + 4] int8: each row's codes round(x / scale) in [-127, 127], then its scale's bytes.
     An all-zero row gets scale 0 and codes 0."""

@@ -67,7 +67,7 @@ def _check_kv_cache_dtype(path: Path, manifest: dict, model: nn.Module) -> None:
     """Refuse an artifact whose compiled cache write stores another dtype than the engine will allocate."""
     built = manifest["factors"].get("kv_cache_dtype", "auto")
     wanted = getattr(model, "kv_cache_dtype", None)
-    wanted = "auto" if wanted is None else str(wanted).removeprefix("torch.")
+    wanted = "auto" if wanted is None else dtype_name(wanted)
     if built != wanted:
         raise KilnError(f"artifact {path.name} was compiled for a KV cache of {built}, and this model asks for "
                         f"{wanted}: give --kv-cache-dtype {built}, or compile for {wanted}")

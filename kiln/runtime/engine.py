@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kiln.config import EngineConfig
+from kiln.config import EngineConfig, dtype_name
 from kiln.errors import KilnError
 from kiln.models.llama import CausalLM
 from kiln.runtime.kv_cache import allocate_kv_caches, num_kv_blocks
@@ -123,10 +123,10 @@ class Engine:
         self._ids = itertools.count()
         self.step_tokens = 0
         """The tokens the last step's batch ran (prefill chunks and decodes)."""
-        self.kv_cache_dtype = "auto" if getattr(model, "kv_cache_dtype", None) is None else str(dtype).removeprefix("torch.")
+        self.kv_cache_dtype = "auto" if getattr(model, "kv_cache_dtype", None) is None else dtype_name(dtype)
         """The KV cache's dtype as `--kv-cache-dtype` names it: "auto" (the model's) or "int8"."""
         logger.info("KV cache: %d blocks of %d tokens, %s", num_blocks, config.block_size,
-                    str(dtype).removeprefix("torch."))
+                    dtype_name(dtype))
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise KilnError, naming the problem, for a request the engine cannot run. Reads nothing that
